@@ -1,0 +1,37 @@
+"""Deadlines: every blocking call in wsync waits on one, so none waits forever unless asked to."""
+
+from __future__ import annotations
+
+import math
+import time
+
+__all__ = ["Deadline"]
+
+
+class Deadline:
+    """A point in time on the monotonic clock; ``timeout=math.inf`` never expires.
+
+    Raises ValueError for a negative or NaN timeout.
+    """
+
+    __slots__ = ("timeout", "_end")
+
+    def __init__(self, timeout: float) -> None:
+        if timeout is None or math.isnan(timeout) or timeout < 0:
+            raise ValueError(f"timeout must be a number >= 0 (math.inf to wait forever), got {timeout!r}")
+        self.timeout = float(timeout)
+        self._end = time.monotonic() + self.timeout
+
+    def remaining(self) -> float:
+        """Seconds left, never below 0 (``math.inf`` for a deadline that never expires)."""
+        return max(0.0, self._end - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self._end
+
+    def slice(self, at_most: float) -> float:
+        """Seconds to wait now: what remains, but no more than ``at_most``."""
+        return min(self.remaining(), at_most)
+
+    def __repr__(self) -> str:
+        return f"Deadline(remaining={self.remaining():.3f}s)"

@@ -1,0 +1,179 @@
+"""``inproc``: the reference transport. Receivers are threads of the sender's process.
+
+Each receiver holds a plain-pickled copy of the scheme; copies meet through a process-wide
+table of channels keyed by the ``channel`` option. Receivers read the sender's snapshot
+buffer directly (zero-copy): the core never writes a buffer again once published.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from .deadline import Deadline
+from .errors import TransportError
+from .hookspecs import hookimpl
+from .transport import (
+    Acked,
+    Capabilities,
+    Delivery,
+    Event,
+    Joined,
+    Left,
+    ReceiverContext,
+    ReceiverEndpoint,
+    SenderContext,
+    SenderEndpoint,
+    Transport,
+)
+
+__all__ = ["InprocTransport"]
+
+_table_lock = threading.Lock()
+_channels: dict[str, _Channel] = {}
+
+
+def _wait_s(deadline: Deadline) -> float | None:
+    left = deadline.remaining()
+    return None if math.isinf(left) else left
+
+
+class _Channel:
+    """What a sender and its receivers share: mailboxes (newest delivery per worker) and events."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cond = threading.Condition()
+        self.events: deque[Event] = deque()
+        self.mailbox: dict[int, tuple[bytes, torch.Tensor]] = {}
+        self.sender = False
+        self.receivers: set[int] = set()
+
+    @staticmethod
+    def attach(name: str) -> _Channel:
+        with _table_lock:
+            channel = _channels.get(name)
+            if channel is None:
+                channel = _channels[name] = _Channel(name)
+            return channel
+
+    def detach_if_unused(self) -> None:
+        with _table_lock, self.cond:
+            if not self.sender and not self.receivers and _channels.get(self.name) is self:
+                del _channels[self.name]
+
+
+class _Sender(SenderEndpoint):
+    def __init__(self, transport: InprocTransport, ctx: SenderContext) -> None:
+        self.name = transport.options["channel"]
+        self.nbytes = ctx.layout.nbytes
+        self.channel: _Channel | None = None
+
+    def open(self, deadline: Deadline) -> None:
+        channel = _Channel.attach(self.name)
+        with channel.cond:
+            if channel.sender:
+                raise TransportError(f"inproc channel {self.name!r} already has a sender")
+            channel.sender = True
+        self.channel = channel
+
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        with self.channel.cond:
+            for w in workers:
+                self.channel.mailbox[w] = (header, buffer)
+            self.channel.cond.notify_all()
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        channel = self.channel
+        with channel.cond:
+            channel.cond.wait_for(lambda: channel.events, _wait_s(deadline))
+            events = list(channel.events)
+            channel.events.clear()
+        return events
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return
+        with channel.cond:
+            channel.sender = False
+            channel.mailbox.clear()
+            channel.events.clear()
+            channel.cond.notify_all()
+        channel.detach_if_unused()
+
+
+class _Receiver(ReceiverEndpoint):
+    def __init__(self, transport: InprocTransport, ctx: ReceiverContext) -> None:
+        self.name = transport.options["channel"]
+        self.worker = ctx.worker_idx
+        self.channel: _Channel | None = None
+
+    def open(self, deadline: Deadline) -> None:
+        channel = _Channel.attach(self.name)
+        with channel.cond:
+            if self.worker in channel.receivers:
+                raise TransportError(f"inproc channel {self.name!r} already has a worker {self.worker}")
+            channel.receivers.add(self.worker)
+            channel.events.append(Joined(self.worker))
+            channel.cond.notify_all()
+        self.channel = channel
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        channel = self.channel
+        with channel.cond:
+            channel.cond.wait_for(lambda: self.worker in channel.mailbox, _wait_s(deadline))
+            item = channel.mailbox.pop(self.worker, None)
+        return None if item is None else Delivery(item[0], item[1])
+
+    def ack(self, data: bytes) -> None:
+        with self.channel.cond:
+            self.channel.events.append(Acked(self.worker, data))
+            self.channel.cond.notify_all()
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return
+        with channel.cond:
+            channel.receivers.discard(self.worker)
+            channel.mailbox.pop(self.worker, None)
+            if channel.sender:
+                channel.events.append(Left(self.worker, "receiver shut down"))
+            channel.cond.notify_all()
+        channel.detach_if_unused()
+
+
+class InprocTransport(Transport):
+    """Receivers are threads of this process; ``channel`` names the meeting point (default: unique)."""
+
+    name = "inproc"
+    capabilities = Capabilities(processes=False, zero_copy=True)
+
+    def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:
+        super().__init__(channel=channel or f"inproc-{uuid.uuid4().hex}", checksum=checksum)
+
+    def sender(self, ctx: SenderContext) -> SenderEndpoint:
+        return _Sender(self, ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
+        return _Receiver(self, ctx)
+
+
+def open_channels() -> list[str]:
+    """Names of the inproc channels alive in this process (for leak checks)."""
+    with _table_lock:
+        return sorted(_channels)
+
+
+@hookimpl
+def wsync_register_transports(register) -> None:
+    register(InprocTransport)

@@ -1,0 +1,192 @@
+"""The layout of a flat weight buffer: which key lives at which offset, with which dtype and shape.
+
+Sender and receiver each compute the layout of their own weights; equal digests mean the
+payload of one fits the model of the other byte for byte. Keys are sorted, so the order in
+which a module, a TensorDict or a state_dict lists its tensors does not matter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import SchemaMismatchError
+
+__all__ = ["Entry", "Layout", "ALIGN", "DTYPES"]
+
+#: Every tensor starts at a multiple of this many bytes (enough for any dtype and for SIMD copies).
+ALIGN = 64
+
+#: The dtypes a payload may carry, by their wire name.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the payload: ``nbytes`` bytes at ``offset``."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+class Layout:
+    """An immutable, sorted table of entries; ``nbytes`` is the size of the flat buffer."""
+
+    __slots__ = ("entries", "nbytes", "digest", "_by_key")
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries: tuple[Entry, ...] = tuple(entries)
+        self.nbytes: int = _align(max((e.offset + e.nbytes for e in entries), default=0))
+        self._by_key = {e.key: e for e in entries}
+        self.digest: str = hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+
+    # -- building -------------------------------------------------------------------------
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Layout:
+        """The layout of ``tensors`` (key -> tensor). Raises TypeError for an unsupported dtype."""
+        entries: list[Entry] = []
+        offset = 0
+        for key in sorted(tensors):
+            t = tensors[key]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"weight {key!r} is a {type(t).__name__}, expected a torch.Tensor")
+            name = _NAMES.get(t.dtype)
+            if name is None:
+                raise TypeError(
+                    f"weight {key!r} has dtype {t.dtype}, which wsync cannot carry; "
+                    f"supported: {', '.join(DTYPES)}"
+                )
+            nbytes = t.numel() * t.element_size()
+            entries.append(Entry(key, name, tuple(t.shape), offset, nbytes))
+            offset = _align(offset + nbytes)
+        return cls(entries)
+
+    # -- wire form --------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(
+            [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries],
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Layout:
+        """Rebuild a layout from its decoded JSON form; raises ValueError if it is malformed."""
+        if not isinstance(raw, list):
+            raise ValueError("layout must be a list of entries")
+        entries = []
+        end = 0
+        for item in raw:
+            if not (isinstance(item, list) and len(item) == 5):
+                raise ValueError(f"malformed layout entry {item!r:.80}")
+            key, dtype, shape, offset, nbytes = item
+            if not isinstance(key, str) or dtype not in DTYPES:
+                raise ValueError(f"malformed layout entry {item!r:.80}")
+            if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+                raise ValueError(f"malformed shape in layout entry {key!r}")
+            numel = 1
+            for s in shape:
+                numel *= s
+            if not (isinstance(offset, int) and isinstance(nbytes, int)):
+                raise ValueError(f"malformed offset in layout entry {key!r}")
+            if nbytes != numel * DTYPES[dtype].itemsize or offset < end or offset % ALIGN:
+                raise ValueError(f"inconsistent layout entry {key!r}")
+            end = offset + nbytes
+            entries.append(Entry(key, dtype, tuple(shape), offset, nbytes))
+        return cls(entries)
+
+    # -- comparing --------------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.entries)} tensors, {self.nbytes} bytes, digest={self.digest[:12]})"
+
+    def differences(self, other: Layout, *, mine: str = "sender", theirs: str = "receiver") -> list[str]:
+        """Human-readable differences between this layout and ``other`` (empty if they match)."""
+        out: list[str] = []
+        only_mine = sorted(set(self._by_key) - set(other._by_key))
+        only_theirs = sorted(set(other._by_key) - set(self._by_key))
+        if only_mine:
+            out.append(f"keys only on the {mine}: {_clip(only_mine)}")
+        if only_theirs:
+            out.append(f"keys only on the {theirs}: {_clip(only_theirs)}")
+        for key in sorted(set(self._by_key) & set(other._by_key)):
+            a, b = self._by_key[key], other._by_key[key]
+            if a.shape != b.shape:
+                out.append(f"{key!r}: shape {list(a.shape)} on the {mine}, {list(b.shape)} on the {theirs}")
+            if a.dtype != b.dtype:
+                out.append(f"{key!r}: dtype {a.dtype} on the {mine}, {b.dtype} on the {theirs}")
+        return out
+
+    def check_matches(self, other: Layout, *, mine: str = "sender", theirs: str = "receiver", context: str = "") -> None:
+        """Raise SchemaMismatchError naming every difference unless ``other`` equals this layout."""
+        if other.digest == self.digest:
+            return
+        diffs = self.differences(other, mine=mine, theirs=theirs) or ["tensor layout differs"]
+        prefix = f"{context}: " if context else ""
+        raise SchemaMismatchError(prefix + "weights do not match; " + "; ".join(diffs))
+
+    # -- moving bytes ------------------------------------------------------------------------
+    def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
+        """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read."""
+        with torch.no_grad():
+            for e in self.entries:
+                if e.nbytes:
+                    self.view(buffer, e).copy_(tensors[e.key])
+
+    def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
+        """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
+        with torch.no_grad():
+            for e in self.entries:
+                if e.nbytes:
+                    targets[e.key].copy_(self.view(buffer, e))
+
+    @staticmethod
+    def view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+        """The tensor ``entry`` as a view of the flat uint8 ``buffer``."""
+        return buffer[entry.offset : entry.offset + entry.nbytes].view(entry.torch_dtype).view(entry.shape)
+
+    def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every entry as a view of ``buffer``, by key."""
+        return {e.key: self.view(buffer, e) for e in self.entries}
+
+
+def _clip(keys: list[str], n: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")

@@ -1,0 +1,220 @@
+"""The interface a transport implements: connection set-up and the moving of bytes, nothing else.
+
+The core owns everything else: snapshots, versions, headers, acks, timeouts, schema checks,
+checksums and applying weights. A transport moves two kinds of things:
+
+- *deliveries*, sender -> receivers: an opaque ``header`` (a few hundred bytes of JSON the
+  core writes) and a flat uint8 ``payload`` of ``layout.nbytes`` bytes;
+- *acks*, receiver -> sender: opaque bytes (small JSON the core writes).
+
+The sender's core asks the transport for a buffer (``acquire``), writes the snapshot into it,
+then ``publish``-es it to some workers. A zero-copy transport returns a buffer that receivers
+can read directly (a shared-memory slot, a CUDA IPC block); a network transport returns a
+staging buffer it then sends. Either way the core copies the trainer's tensors exactly once.
+
+Rules every transport keeps (the conformance suite checks them):
+
+1. ``acquire`` never returns the most recently published buffer, nor one a receiver may still
+   read: the core writes into it at once.
+2. ``publish`` hands the buffer to exactly the listed workers and returns without waiting for
+   them to apply it; it may re-publish the latest buffer to a worker that (re)joins.
+3. A receiver only needs the newest delivery: a transport may drop older undelivered ones.
+4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline.
+5. Nothing received from another process is unpickled; ``close`` frees every resource.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Union
+
+import torch
+
+from .deadline import Deadline
+from .layout import Layout
+
+__all__ = [
+    "Capabilities",
+    "SenderContext",
+    "ReceiverContext",
+    "Delivery",
+    "Joined",
+    "Acked",
+    "Left",
+    "Event",
+    "SenderEndpoint",
+    "ReceiverEndpoint",
+    "Transport",
+]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport declares it can do; the conformance suite tests each declared one."""
+
+    #: receivers may live in other processes (False only for thread-based transports)
+    processes: bool = True
+    #: receivers may live on other hosts
+    multi_host: bool = False
+    #: sender and receiver models may live on CUDA devices
+    cuda: bool = False
+    #: receivers read the sender's snapshot without another full copy in between
+    zero_copy: bool = False
+    #: ``send(sync=False)`` returns before receivers apply
+    async_send: bool = True
+    #: ``send(worker_ids=...)`` reaches only those workers
+    subset_send: bool = True
+    #: a receiver that connects late, or restarts, gets the latest version at connect
+    late_join: bool = True
+    #: peers can be required to authenticate
+    auth: bool = False
+
+    def declared(self) -> list[str]:
+        """The names of the capabilities set to True."""
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+@dataclass(frozen=True)
+class SenderContext:
+    """What a sender endpoint needs to know: how many workers, and the payload's layout."""
+
+    num_workers: int
+    layout: Layout
+    model_id: str
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ReceiverContext:
+    """What a receiver endpoint needs to know: who it is, and its model's layout and device."""
+
+    worker_idx: int
+    layout: Layout
+    model_id: str
+    device: torch.device
+
+
+@dataclass
+class Delivery:
+    """One received version: header bytes and a read-only flat uint8 payload.
+
+    The core calls ``release()`` once it has applied or discarded the payload; until then the
+    transport must keep the payload's bytes unchanged.
+    """
+
+    header: bytes
+    payload: torch.Tensor
+    release: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Worker ``worker`` connected (or re-connected): it should get the latest version."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class Acked:
+    """Worker ``worker`` sent ack bytes ``data``."""
+
+    worker: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Left:
+    """Worker ``worker`` disconnected or died; ``reason`` says how the transport knows."""
+
+    worker: int
+    reason: str
+
+
+Event = Union[Joined, Acked, Left]
+
+
+class SenderEndpoint(ABC):
+    """The trainer's side of a transport. Used from one thread at a time."""
+
+    def open(self, deadline: Deadline) -> None:
+        """Bind, listen and allocate; may return before any receiver connects."""
+
+    @abstractmethod
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        """A contiguous uint8 tensor of ``layout.nbytes`` bytes that the core may overwrite now.
+
+        Raises WorkerTimeoutError if no buffer frees up by the deadline.
+        """
+
+    @abstractmethod
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        """Deliver ``buffer`` (returned by ``acquire``, or the latest published one) to ``workers``."""
+
+    @abstractmethod
+    def poll(self, deadline: Deadline) -> list[Event]:
+        """Events since the last call; waits for at least one until the deadline, then returns []."""
+
+    def close(self) -> None:
+        """Free everything; idempotent."""
+
+
+class ReceiverEndpoint(ABC):
+    """A worker's side of a transport. Used from one thread at a time."""
+
+    def open(self, deadline: Deadline) -> None:
+        """Connect to the sender and announce this worker (the sender then sees ``Joined``)."""
+
+    @abstractmethod
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        """The next delivery, waiting for one until the deadline; None if none came."""
+
+    @abstractmethod
+    def ack(self, data: bytes) -> None:
+        """Send ``data`` to the sender (it sees ``Acked(worker_idx, data)``)."""
+
+    def close(self) -> None:
+        """Free everything; idempotent."""
+
+
+def _rebuild(cls: type[Transport], options: dict[str, Any]) -> Transport:
+    return cls(**options)
+
+
+class Transport(ABC):
+    """A way to move weights; plugins subclass it and register the class.
+
+    A transport object holds configuration only: ``options`` must be plain, picklable values,
+    and a copy built from them (in another process, or by an independent receiver given the
+    same options) must reach the same channel.
+    """
+
+    #: the name users pass to ``WeightSyncScheme``
+    name: ClassVar[str]
+    #: what the transport can do
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, **options: Any) -> None:
+        self.options: dict[str, Any] = options
+
+    #: whether the core should add a CRC32 of every payload to its header and check it on
+    #: arrival (for transports whose bytes cross something that can damage them)
+    @property
+    def checksum(self) -> bool:
+        return bool(self.options.get("checksum", False))
+
+    @abstractmethod
+    def sender(self, ctx: SenderContext) -> SenderEndpoint:
+        """A new, unopened sender endpoint."""
+
+    @abstractmethod
+    def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
+        """A new, unopened receiver endpoint."""
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), dict(self.options)))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}({opts})"

@@ -1,0 +1,71 @@
+"""Weight extraction and application: modules, TensorDicts and state_dicts as flat key -> tensor maps.
+
+Two strategies, as in TorchRL:
+
+- ``"tensordict"``: a module's parameters and *all* its buffers (what ``TensorDict.from_module``
+  holds), keys joined with ``"."``;
+- ``"state_dict"``: what ``module.state_dict()`` holds (persistent buffers only).
+
+A TensorDict or a state_dict given directly is taken as it is, whatever the strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy"]
+
+Strategy = Literal["tensordict", "state_dict"]
+Weights = Union[nn.Module, TensorDictBase, Mapping[str, torch.Tensor]]
+STRATEGIES: tuple[str, ...] = ("tensordict", "state_dict")
+
+
+def check_strategy(strategy: str) -> Strategy:
+    """Return ``strategy`` if it is known; raise ValueError naming the known ones otherwise."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy  # type: ignore[return-value]
+
+
+def flatten(weights: Any, strategy: Strategy = "tensordict") -> dict[str, torch.Tensor]:
+    """The tensors of ``weights`` by dotted key, detached and aliasing the originals (no copy).
+
+    Raises TypeError if ``weights`` is not a module, a TensorDict or a mapping of tensors.
+    """
+    if isinstance(weights, nn.Module):
+        if strategy == "state_dict":
+            items = weights.state_dict(keep_vars=True).items()
+        else:
+            items = list(weights.named_parameters(remove_duplicate=False))
+            items += list(weights.named_buffers(remove_duplicate=False))
+        return {k: v.detach() for k, v in items if v is not None}
+    if isinstance(weights, TensorDictBase):
+        out = {}
+        for key, value in weights.items(include_nested=True, leaves_only=True):
+            name = key if isinstance(key, str) else ".".join(key)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
+            out[name] = value.detach()
+        return out
+    if isinstance(weights, Mapping):
+        out = {}
+        for key, value in weights.items():
+            if not isinstance(key, str):
+                raise TypeError(f"state_dict keys must be strings, got {key!r}")
+            if isinstance(value, Mapping) or isinstance(value, TensorDictBase):
+                for sub, tensor in flatten(value, strategy).items():
+                    out[f"{key}.{sub}"] = tensor
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor")
+            out[key] = value.detach()
+        return out
+    raise TypeError(
+        f"weights must be an nn.Module, a TensorDict or a state_dict (mapping of str to tensor), "
+        f"got {type(weights).__name__}"
+    )
