@@ -1,0 +1,1 @@
+"""wsync-conformance: the suite that proves a transport keeps wsync's guarantees."""
