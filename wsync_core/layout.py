@@ -154,6 +154,21 @@ class Layout:
                 out.append(f"{key!r}: dtype {a.dtype} on the {mine}, {b.dtype} on the {theirs}")
         return out
 
+    def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True if ``tensors`` have exactly this layout's keys, dtypes and shapes (cheap: no hashing)."""
+        if len(tensors) != len(self.entries):
+            return False
+        for e in self.entries:
+            t = tensors.get(e.key)
+            if t is None or t.dtype is not e.torch_dtype or tuple(t.shape) != e.shape:
+                return False
+        return True
+
+    def check_fits(self, tensors: Mapping[str, torch.Tensor], *, mine: str, theirs: str, context: str) -> None:
+        """Raise SchemaMismatchError naming every difference unless ``tensors`` fit this layout."""
+        if not self.fits(tensors):
+            self.check_matches(Layout.of(tensors), mine=mine, theirs=theirs, context=context)
+
     def check_matches(self, other: Layout, *, mine: str = "sender", theirs: str = "receiver", context: str = "") -> None:
         """Raise SchemaMismatchError naming every difference unless ``other`` equals this layout."""
         if other.digest == self.digest:

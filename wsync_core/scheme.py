@@ -264,7 +264,7 @@ class WeightSyncScheme:
         self._open(self._unopened, deadline)
         self._unopened = None
         self._state = _State.SENDER_CONNECTED
-        self._publish_new(flatten(self._source, self.strategy), [], deadline, version=0)
+        self._publish_new(flatten(self._source, self.strategy), list(range(self._num_workers)), deadline, version=0)
         self._pump(Deadline(0.0))
         self._finish(0, list(range(self._num_workers)), deadline)
 
@@ -292,8 +292,8 @@ class WeightSyncScheme:
                 tensors = flatten(self._source, self.strategy)
             else:
                 tensors = flatten(weights, self.strategy)
-            self._layout.check_matches(Layout.of(tensors), mine="trainer's model", theirs="weights given to send()",
-                                       context="send(weights=...)")
+            self._layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
+                                    context="send(weights=...)")
             self._pump(Deadline(0.0))
             version = self._publish_new(tensors, targets, deadline, version=self._version + 1)
             return SendHandle(self, version, targets)
@@ -429,9 +429,10 @@ class WeightSyncScheme:
         if missing:
             gone = [w for w in missing if w in self._left]
             detail = f"; workers {gone} disconnected" if gone else ""
+            updated = [w for w in targets if w not in missing and w not in rejected]
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
-                f"the other targets were updated", missing)
+                f"updated: {updated}", missing)
 
     # -- receiver ----------------------------------------------------------------------------
     def init_on_receiver(self, *, model: Weights, worker_idx: int, model_id: str | None = None) -> None:
@@ -541,8 +542,7 @@ class WeightSyncScheme:
         if header.crc is not None and crc32(payload) != header.crc:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
         targets = flatten(self._source, self.strategy)
-        if Layout.of(targets).digest != layout.digest:
-            raise SchemaMismatchError(f"{where}: the receiver's model changed shape since init_on_receiver()")
+        layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
         layout.unpack(payload, targets)
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
