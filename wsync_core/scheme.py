@@ -50,6 +50,8 @@ log = logging.getLogger("wsync")
 
 #: how many unfinished sends a sender remembers (an ack for v also completes every send before v)
 _MAX_PENDING = 256
+#: how often a connected sender answers its transport between calls (seconds)
+_SERVICE_INTERVAL = 0.01
 _ERROR_TYPES: dict[str, type[WsyncError]] = {
     "SchemaMismatchError": SchemaMismatchError,
     "TransportError": TransportError,
@@ -137,6 +139,8 @@ class WeightSyncScheme:
         self._layout_sent: set[int] = set()
         self._pending: OrderedDict[int, tuple[SendReport, float]] = OrderedDict()
         self.last_report: SendReport | None = None
+        self._service: threading.Thread | None = None
+        self._stop_service = threading.Event()
         # receiver side
         self._worker_idx: int | None = None
 
@@ -266,7 +270,28 @@ class WeightSyncScheme:
         self._state = _State.SENDER_CONNECTED
         self._publish_new(flatten(self._source, self.strategy), list(range(self._num_workers)), deadline, version=0)
         self._pump(Deadline(0.0))
+        self._service = threading.Thread(target=self._serve, args=(weakref.ref(self), self._stop_service),
+                                         name="wsync-sender-service", daemon=True)
+        self._service.start()
         self._finish(0, list(range(self._num_workers)), deadline)
+
+    @staticmethod
+    def _serve(ref: weakref.ref, stop: threading.Event) -> None:
+        """Between calls, keep answering the transport: late joiners get the latest version and
+        acks of asynchronous sends are collected, without waiting for the next send()."""
+        while not stop.wait(_SERVICE_INTERVAL):
+            scheme = ref()
+            if scheme is None:
+                return
+            if scheme._lock.acquire(blocking=False):
+                try:
+                    if scheme._state is _State.SENDER_CONNECTED:
+                        scheme._pump(Deadline(0.0))
+                except WsyncError as exc:
+                    log.warning("sender service: %s", exc)
+                finally:
+                    scheme._lock.release()
+            del scheme
 
     def send(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
              timeout: float | None = None) -> int:
@@ -566,6 +591,9 @@ class WeightSyncScheme:
 
     def shutdown(self) -> None:
         """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards."""
+        self._stop_service.set()
+        if self._service is not None and self._service is not threading.current_thread():
+            self._service.join()
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer()

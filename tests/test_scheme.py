@@ -1,0 +1,422 @@
+"""The ten guarantees of SPEC.md for the reference transport, proved on the core's own tests."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from torch import nn
+
+from core_helpers import bump, make_policy, same
+from wsync_core import (
+    SchemaMismatchError,
+    StateError,
+    TransportError,
+    WeightSyncScheme,
+    WorkerTimeoutError,
+)
+from wsync_core.inproc import open_channels
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool]
+
+
+def wait_for(pred, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.002)
+
+
+# -- exact --------------------------------------------------------------------------------------
+def from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor holding exactly ``raw`` (any bit pattern, NaNs included; bools as 0/1)."""
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    if dtype is torch.bool:
+        raw = bytes(b & 1 for b in raw)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+@st.composite
+def weight_dicts(draw):
+    n = draw(st.integers(1, 6))
+    out = {}
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+        numel = 1
+        for s in shape:
+            numel *= s
+        t = from_bytes(draw(st.binary(min_size=numel * dtype.itemsize, max_size=numel * dtype.itemsize)), dtype, shape)
+        if draw(st.booleans()) and t.dim() == 2:
+            t = t.t()  # non-contiguous source
+        out[f"m{i % 2}.t{i}"] = t
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(weights=weight_dicts(), second=st.data())
+def test_exact_every_dtype_and_shape(cluster, weights, second):
+    """Exact: bit for bit, every dtype, 0-d, empty, non-contiguous, across two versions."""
+    c = cluster(n=1, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, model=weights)
+    assert same(c.receivers[0].model, weights)
+    # a second version drawn from the same structure, including NaN payloads bit for bit
+    for v in weights.values():
+        n = v.numel() * v.element_size()
+        v.copy_(from_bytes(second.draw(st.binary(min_size=n, max_size=n)), v.dtype, tuple(v.shape)))
+    assert c.sender.send() == 1
+    assert same(c.receivers[0].model, weights)
+
+
+def test_exact_large_and_shared_storage(cluster):
+    base = torch.randn(1 << 20)  # 4 MiB
+
+    def make(i):
+        return {"big": torch.zeros(1 << 20), "view_a": torch.zeros(1024), "view_b": torch.zeros(1024)}
+
+    c = cluster(n=2, make=make)
+    src = {"big": base, "view_a": base[:1024], "view_b": base[512:1536]}  # overlapping views
+    v = c.sender.send(weights=src)
+    for r in c.receivers:
+        wait_for(lambda r=r: r.scheme.version == v)
+        assert same(r.model, src)
+
+
+def test_exact_tensordict_and_state_dict_strategies(cluster):
+    c = cluster(n=1, strategy="state_dict")
+    bump(c.model)
+    c.sender.send()
+    assert same(c.receivers[0].model, c.model, "state_dict")
+    td = TensorDict.from_module(make_policy(5)).data.clone()
+    c.sender.send(weights=td)
+    assert same(c.receivers[0].model, td)
+
+
+# -- isolated ------------------------------------------------------------------------------------
+def test_isolated_unsent_writes_and_writes_after_send(cluster):
+    c = cluster(n=2)
+    bump(c.model)
+    v = c.sender.send()
+    snapshot = {k: t.clone() for k, t in c.model.state_dict().items()}
+    bump(c.model, 100.0)  # written right after send() returned, never sent
+    time.sleep(0.05)
+    for r in c.receivers:
+        assert r.scheme.version == v
+        assert same(r.model, snapshot)
+        assert not same(r.model, c.model)
+
+
+def test_isolated_send_weights_does_not_touch_trainer(cluster):
+    c = cluster(n=1)
+    before = {k: t.clone() for k, t in c.model.state_dict().items()}
+    other = make_policy(42)
+    c.sender.send(weights=other)
+    assert same(c.model, before)
+    assert same(c.receivers[0].model, other)
+    # and the receiver does not alias the weights it was given
+    bump(other)
+    assert not same(c.receivers[0].model, other)
+
+
+def test_isolated_async_snapshot(cluster):
+    c = cluster(n=1, sync=False)
+    c.receivers[0].pause()
+    bump(c.model)
+    snapshot = {k: t.clone() for k, t in c.model.state_dict().items()}
+    handle = c.sender.send_async()
+    bump(c.model, 7.0)  # before the worker even looked
+    c.receivers[0].resume()
+    assert handle.wait() == 1
+    assert same(c.receivers[0].model, snapshot)
+
+
+# -- atomic --------------------------------------------------------------------------------------
+def test_atomic_schema_mismatch_at_connect_names_keys():
+    sender = WeightSyncScheme("inproc", timeout=10)
+    sender.init_on_sender(model=make_policy(), num_workers=1)
+    blob = pickle.dumps(sender)
+    bad = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    before = {k: t.clone() for k, t in bad.state_dict().items()}
+    errors: list[BaseException] = []
+
+    def worker():
+        s = pickle.loads(blob)
+        s.init_on_receiver(model=bad, worker_idx=0)
+        try:
+            s.connect(timeout=10)
+        except SchemaMismatchError as exc:
+            errors.append(exc)
+        finally:
+            s.shutdown()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    with pytest.raises(SchemaMismatchError, match=r"3\.weight.*shape \[3, 16\].*\[4, 16\]"):
+        sender.connect(timeout=10)
+    t.join(10)
+    sender.shutdown()
+    assert errors and "3.bias" in str(errors[0])
+    assert same(bad, before)
+
+
+def test_atomic_send_mismatched_weights_sends_nothing(cluster):
+    c = cluster(n=1)
+    wrong = dict(c.model.state_dict())
+    wrong["0.weight"] = torch.zeros(6, 16)
+    with pytest.raises(SchemaMismatchError, match=r"0\.weight.*shape \[16, 6\].*\[6, 16\]"):
+        c.sender.send(weights=wrong)
+    assert c.sender.version == 0
+    assert c.sender.send() == 1
+
+
+def test_atomic_damaged_payload_is_refused(cluster):
+    """With checksums on, a corrupted byte raises TransportError on both sides; the model is untouched."""
+    from wsync_core import inproc
+
+    c = cluster(n=1, checksum=True)
+    r = c.receivers[0]
+    before = {k: t.clone() for k, t in r.model.state_dict().items()}
+    original = inproc._Sender.publish
+
+    def corrupt(self, buffer, header, workers):
+        damaged = buffer.clone()
+        damaged[0] ^= 0xFF
+        original(self, damaged, header, workers)
+
+    inproc._Sender.publish = corrupt
+    try:
+        bump(c.model)
+        with pytest.raises(TransportError, match="checksum"):
+            c.sender.send(timeout=10)
+    finally:
+        inproc._Sender.publish = original
+    assert same(r.model, before)
+    assert r.scheme.version == 0
+    assert any(isinstance(e, TransportError) for e in r.errors)
+    assert c.sender.send() == 2  # usable afterwards
+
+
+def test_atomic_no_torn_reads():
+    """A reader in the worker's thread never sees two versions mixed, across many sends."""
+    def make(i):
+        return {f"t{j}": torch.zeros(4096) for j in range(8)}
+
+    sender = WeightSyncScheme("inproc", timeout=30, sync=False)
+    weights = make(0)
+    sender.init_on_sender(weights=weights, num_workers=1)
+    recv = pickle.loads(pickle.dumps(sender))
+    model = make(1)
+    recv.init_on_receiver(model=model, worker_idx=0)
+    t = threading.Thread(target=recv.connect)
+    t.start()
+    sender.connect()
+    t.join()
+    torn = []
+    done = threading.Event()
+
+    def reader():
+        while not done.is_set():
+            v = recv.receive(timeout=0.001)
+            values = {float(x.min()) for x in model.values()} | {float(x.max()) for x in model.values()}
+            if len(values) != 1:
+                torn.append(values)
+            if v is not None and values != {float(v)}:
+                torn.append((v, values))
+
+    rt = threading.Thread(target=reader)
+    rt.start()
+    for v in range(1, 200):
+        for x in weights.values():
+            x.fill_(v)
+        handle = sender.send_async()
+    handle.wait()
+    done.set()
+    rt.join()
+    recv.shutdown()
+    sender.shutdown()
+    assert not torn
+
+
+# -- versioned -----------------------------------------------------------------------------------
+def test_versioned_rises_by_one_and_acks_name_versions(cluster):
+    c = cluster(n=2)
+    assert c.sender.version == 0
+    assert [c.sender.send() for _ in range(3)] == [1, 2, 3]
+    for r in c.receivers:
+        assert r.scheme.version == 3
+    report = c.sender.last_report
+    assert report.version == 3 and report.complete and set(report.ack_latency) == {0, 1}
+
+
+def test_versioned_old_ack_never_completes_newer_send(cluster):
+    c = cluster(n=1, sync=False)
+    r = c.receivers[0]
+    r.pause()
+    h1 = c.sender.send_async()
+    time.sleep(0.05)
+    # worker applies v1 only
+    assert r.scheme.receive(timeout=5) == 1
+    h2 = c.sender.send_async()
+    assert h1.wait(5) == 1
+    assert not h2.done()
+    with pytest.raises(WorkerTimeoutError) as info:
+        h2.wait(0.3)
+    assert info.value.workers == [0]
+    r.resume()
+    assert h2.wait(10) == 2
+
+
+def test_versioned_receiver_applies_newest_only(cluster):
+    c = cluster(n=1, sync=False)
+    r = c.receivers[0]
+    r.pause()
+    for _ in range(5):
+        bump(c.model)
+        c.sender.send()
+    time.sleep(0.05)
+    assert r.scheme.receive(timeout=5) == 5
+    assert same(r.model, c.model)
+    assert r.scheme.receive() is None
+
+
+# -- live ------------------------------------------------------------------------------------------
+def test_live_silent_worker_times_out_others_updated(cluster):
+    c = cluster(n=3)
+    c.receivers[1].pause()
+    bump(c.model)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        c.sender.send(timeout=0.5)
+    assert time.monotonic() - t0 < 10
+    assert info.value.workers == [1]
+    assert "1" in str(info.value)
+    for i in (0, 2):
+        assert c.receivers[i].scheme.version == 1
+        assert same(c.receivers[i].model, c.model)
+    # still usable for the others
+    assert c.sender.send(worker_ids=[0, 2]) == 2
+    c.receivers[1].resume()
+    assert c.sender.send() == 3
+
+
+def test_live_connect_and_receive_honour_timeouts():
+    s = WeightSyncScheme("inproc", timeout=0.2)
+    s.init_on_sender(model=make_policy(), num_workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        s.connect()
+    assert info.value.workers == [0, 1]
+    assert time.monotonic() - t0 < 10
+    s.shutdown()
+    r = WeightSyncScheme("inproc", timeout=0.2)
+    r.init_on_receiver(model=make_policy(), worker_idx=0)
+    with pytest.raises(WorkerTimeoutError):
+        r.connect()
+    r.shutdown()
+
+
+def test_live_dead_worker_fails_fast(cluster):
+    c = cluster(n=2)
+    c.receivers[0].stop()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        c.sender.send(timeout=20)
+    assert time.monotonic() - t0 < 10  # a worker known to be gone is not waited for
+    assert info.value.workers == [0]
+    assert c.receivers[1].scheme.version == 1
+
+
+def test_late_joiner_gets_latest():
+    sender = WeightSyncScheme("inproc", timeout=10)
+    model = make_policy()
+    sender.init_on_sender(model=model, num_workers=2)
+    blob = pickle.dumps(sender)
+    r0 = ReceiverThreadFactory(blob, 0)
+    with pytest.raises(WorkerTimeoutError):
+        sender.connect(timeout=1.0)
+    bump(model)
+    with pytest.raises(WorkerTimeoutError):
+        sender.send(timeout=0.5)
+    late = ReceiverThreadFactory(blob, 1)
+    assert late.connected.wait(10)
+    assert late.scheme.version == 1 and same(late.model, model)
+    assert sender.send() == 2
+    for r in (r0, late):
+        r.stop()
+    sender.shutdown()
+
+
+def ReceiverThreadFactory(blob, i):
+    from core_helpers import ReceiverThread
+
+    return ReceiverThread(blob, make_policy(i + 1), i)
+
+
+# -- targeted --------------------------------------------------------------------------------------
+def test_targeted_subset_send(cluster):
+    c = cluster(n=3)
+    before = {k: t.clone() for k, t in c.receivers[1].model.state_dict().items()}
+    bump(c.model)
+    v = c.sender.send(worker_ids=[0, 2])
+    time.sleep(0.05)
+    assert c.receivers[1].scheme.version == 0
+    assert same(c.receivers[1].model, before)
+    for i in (0, 2):
+        assert c.receivers[i].scheme.version == v
+    with pytest.raises(ValueError, match="worker_ids"):
+        c.sender.send(worker_ids=[3])
+    with pytest.raises(ValueError, match="worker_ids"):
+        c.sender.send(worker_ids=[])
+    assert c.sender.version == v  # bad targets send nothing
+
+
+# -- portable --------------------------------------------------------------------------------------
+def test_portable_pickle_holds_configuration_only(cluster):
+    s = WeightSyncScheme("inproc", timeout=5, strategy="state_dict", sync=False)
+    before = pickle.dumps(s)
+    big = nn.Linear(512, 512)
+    s.init_on_sender(model=big, num_workers=2, model_id="actor")
+    after = pickle.dumps(s)
+    assert len(after) < 2000 and len(before) < 2000
+    copy = pickle.loads(after)
+    assert copy.state == "new" and copy.model_id == "actor" and copy.strategy == "state_dict"
+    assert copy.transport.options == s.transport.options
+    c = cluster(n=1)
+    blob = pickle.dumps(c.sender)  # after connect, too
+    assert b"torch" not in blob and len(blob) < 2000
+    s.shutdown()
+
+
+# -- clean -----------------------------------------------------------------------------------------
+def test_clean_shutdown_frees_everything(cluster):
+    threads_before = set(threading.enumerate())
+    c = cluster(n=2)
+    c.sender.send()
+    c.stop()
+    assert open_channels() == []
+    leftover = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    assert not leftover
+    c.sender.shutdown()  # idempotent
+
+
+# -- safe ------------------------------------------------------------------------------------------
+def test_safe_garbage_header_is_refused(cluster):
+    from wsync_core import inproc
+
+    c = cluster(n=1)
+    r = c.receivers[0]
+    r.pause()
+    before = {k: t.clone() for k, t in r.model.state_dict().items()}
+    channel = inproc._channels[c.sender.transport.options["channel"]]
+    with channel.cond:
+        channel.mailbox[0] = (b"\x80garbage" * 10, torch.zeros(10, dtype=torch.uint8))
+    with pytest.raises(TransportError, match="header"):
+        r.scheme.receive(timeout=1)
+    assert same(r.model, before) and r.scheme.version == 0
