@@ -37,6 +37,9 @@ DTYPES: dict[str, torch.dtype] = {
     "complex64": torch.complex64,
     "complex128": torch.complex128,
 }
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):  # newer torch builds
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 

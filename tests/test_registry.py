@@ -1,0 +1,137 @@
+"""Plugin discovery with real installed distributions (pip-installed into a temporary target)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from wsync_core import UnknownTransportError, WeightSyncScheme, list_transports
+
+GOOD = '''
+from wsync_core import Capabilities, hookimpl
+from wsync_core.inproc import InprocTransport
+
+
+class EchoTransport(InprocTransport):
+    """inproc under another name: a third-party transport in a few lines."""
+
+    name = "echo"
+    capabilities = Capabilities(processes=False, zero_copy=True, auth=True)
+
+
+@hookimpl
+def wsync_register_transports(register):
+    register(EchoTransport)
+'''
+BROKEN_IMPORT = "import no_such_module_anywhere\n"
+BROKEN_HOOK = '''
+from wsync_core import hookimpl
+
+
+@hookimpl
+def wsync_register_transports(register):
+    register(object)
+'''
+
+
+def _dist(root: Path, name: str, module: str, source: str) -> Path:
+    pkg = root / name
+    (pkg / module).mkdir(parents=True)
+    (pkg / module / "__init__.py").write_text(source)
+    (pkg / "pyproject.toml").write_text(textwrap.dedent(f'''
+        [build-system]
+        requires = ["setuptools>=64"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "{name}"
+        version = "1.2.3"
+        [project.entry-points.wsync]
+        {module.removeprefix("wsync_")} = "{module}"
+        [tool.setuptools]
+        packages = ["{module}"]
+    '''))
+    return pkg
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """A directory holding three real, pip-installed plugin distributions."""
+    root = tmp_path_factory.mktemp("plugins")
+    target = root / "site"
+    dists = [_dist(root, "wsync-echo", "wsync_echo", GOOD),
+             _dist(root, "wsync-brokenimport", "wsync_brokenimport", BROKEN_IMPORT),
+             _dist(root, "wsync-brokenhook", "wsync_brokenhook", BROKEN_HOOK)]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), *map(str, dists)], check=True, timeout=300)
+    return target
+
+
+def wsync(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(site), **env}
+    cli = [sys.executable, "-c", "import sys; from wsync_core.cli import main; sys.exit(main())"]
+    return subprocess.run([*cli, *args], capture_output=True, text=True, env=environ, timeout=120)
+
+
+def test_installed_plugin_is_found_and_broken_ones_are_listed(site):
+    out = wsync(site, "transports", "--json")
+    assert out.returncode == 0, out.stderr
+    infos = {i["name"]: i for i in json.loads(out.stdout)}
+    assert infos["echo"]["distribution"] == "wsync-echo" and infos["echo"]["version"] == "1.2.3"
+    assert "auth" in infos["echo"]["capabilities"] and infos["echo"]["error"] is None
+    assert "No module named 'no_such_module_anywhere'" in infos["brokenimport"]["error"]
+    assert infos["brokenimport"]["distribution"] == "wsync-brokenimport"
+    assert "Transport subclass" in infos["brokenhook"]["error"]
+    assert infos["inproc"]["distribution"] == "wsync-core"
+    table = wsync(site, "transports")
+    assert "FAILED TO LOAD" in table.stdout and "echo" in table.stdout
+
+
+def test_installed_plugin_works_end_to_end(site):
+    code = textwrap.dedent('''
+        import threading, pickle, torch
+        from wsync_core import WeightSyncScheme
+        s = WeightSyncScheme("echo", timeout=20)
+        w = {"x": torch.arange(10.0)}
+        s.init_on_sender(weights=w, num_workers=1)
+        r = pickle.loads(pickle.dumps(s)); m = {"x": torch.zeros(10)}
+        r.init_on_receiver(model=m, worker_idx=0)
+        t = threading.Thread(target=r.connect); t.start(); s.connect(); t.join()
+        assert torch.equal(m["x"], w["x"]); print("ok")
+        r.shutdown(); s.shutdown()
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_disable_plugins(site):
+    out = wsync(site, "transports", "--json", WSYNC_DISABLE_PLUGINS="echo,brokenimport")
+    names = {i["name"] for i in json.loads(out.stdout)}
+    assert "echo" not in names and "brokenimport" not in names and "inproc" in names
+
+
+def test_unknown_transport_lists_installed_and_how_to_install():
+    with pytest.raises(UnknownTransportError) as info:
+        WeightSyncScheme("nosuch")
+    msg = str(info.value)
+    assert "'nosuch'" in msg and "inproc" in msg and "pip install wsync-nosuch" in msg
+    assert isinstance(info.value, LookupError)
+    names = {i.name for i in list_transports()}
+    assert "inproc" in names
+
+
+def test_transport_object_and_options():
+    from wsync_core.inproc import InprocTransport
+
+    t = InprocTransport(channel="x")
+    assert WeightSyncScheme(t).transport is t
+    with pytest.raises(TypeError, match="options"):
+        WeightSyncScheme(t, channel="y")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        WeightSyncScheme("inproc", no_such_option=1)

@@ -1,0 +1,83 @@
+"""Layouts, headers and acks: what crosses between processes is checked field by field."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsync_core import SchemaMismatchError, TransportError, WorkerTimeoutError
+from wsync_core.layout import ALIGN, Layout
+from wsync_core.protocol import Ack, Header
+
+
+def test_layout_is_sorted_aligned_and_order_independent():
+    a = Layout.of({"b": torch.zeros(3), "a": torch.zeros(2, dtype=torch.int8)})
+    b = Layout.of({"a": torch.zeros(2, dtype=torch.int8), "b": torch.zeros(3)})
+    assert a == b and a.digest == b.digest
+    assert [e.key for e in a.entries] == ["a", "b"]
+    assert all(e.offset % ALIGN == 0 for e in a.entries) and a.nbytes % ALIGN == 0
+    assert Layout.from_wire(__import__("json").loads(a.to_json())) == a
+
+
+def test_layout_differences_name_keys_shapes_dtypes():
+    mine = Layout.of({"w": torch.zeros(2, 3), "b": torch.zeros(3), "only_mine": torch.zeros(1)})
+    theirs = Layout.of({"w": torch.zeros(3, 2), "b": torch.zeros(3, dtype=torch.float16), "only_theirs": torch.zeros(1)})
+    with pytest.raises(SchemaMismatchError) as info:
+        mine.check_matches(theirs)
+    msg = str(info.value)
+    for part in ("'only_mine'", "'only_theirs'", "'w': shape [2, 3] on the sender, [3, 2] on the receiver",
+                 "'b': dtype float32 on the sender, float16 on the receiver"):
+        assert part in msg
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+                    max_leaves=12))
+@settings(max_examples=200, deadline=None)
+def test_malformed_layouts_raise_value_error(raw):
+    try:
+        Layout.from_wire(raw)
+    except ValueError:
+        pass
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_garbage_headers_and_acks_raise_transport_error(data):
+    for decode in (Header.decode, Ack.decode):
+        try:
+            decode(data)
+        except TransportError:
+            pass
+
+
+@given(st.dictionaries(st.sampled_from(["wsync", "v", "m", "d", "n", "c", "l", "w", "e", "t"]),
+                       st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3) | st.lists(st.integers(), max_size=2)))
+@settings(max_examples=300, deadline=None)
+def test_wrongly_typed_fields_raise_transport_error(obj):
+    import json
+
+    data = json.dumps(obj).encode()
+    for decode in (Header.decode, Ack.decode):
+        try:
+            decoded = decode(data)
+        except TransportError:
+            continue
+        if isinstance(decoded, Header):
+            assert isinstance(decoded.version, int) and decoded.version >= 0 and isinstance(decoded.digest, str)
+
+
+def test_oversized_ack_is_refused_before_parsing():
+    with pytest.raises(TransportError, match="exceeds"):
+        Ack.decode(b"{" + b" " * (1 << 20) + b"}")
+
+
+def test_header_roundtrip_and_worker_timeout_pickles():
+    h = Header(3, "policy", "abc", 128, 42)
+    assert Header.decode(h.encode()) == h
+    e = pickle.loads(pickle.dumps(WorkerTimeoutError("late", [2, 1])))
+    assert e.workers == [1, 2] and str(e) == "late"

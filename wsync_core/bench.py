@@ -1,0 +1,788 @@
+"""``wsync bench``: time one synchronous update per transport and model size, against this machine's floor.
+
+Each measurement runs in its own sender process (spawned, in its own process group so a hung
+system can be ended whole) with real worker processes. One update is what a trainer pays per
+step: snapshot, deliver, and every worker's ack (``send()`` with ``sync=True``). The floor is a
+single-thread memcpy of the same bytes, measured in the same run; network transports also get a
+raw loopback TCP send of the same bytes. ``compare=["torchrl"]`` adds TorchRL's
+``SharedMemWeightSyncScheme`` and ``MultiProcessWeightSyncScheme`` given explicit weights copied
+into a reused buffer (their cheapest update that leaves the trainer's live tensors alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BenchConfig",
+    "Row",
+    "Report",
+    "parse_size",
+    "format_size",
+    "build_model",
+    "run",
+    "format_table",
+    "write_json",
+    "plot",
+    "machine_info",
+    "main",
+]
+
+#: systems that ``compare`` can add, and the TorchRL schemes they stand for
+TORCHRL_SCHEMES = {"torchrl SharedMem": "SharedMemWeightSyncScheme",
+                   "torchrl MultiProcess": "MultiProcessWeightSyncScheme"}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_LAYERS = 4
+
+
+# -- configuration and results ----------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    """What to time: wsync transports by name, model sizes in bytes, workers, repeats, comparisons."""
+
+    transports: list[str]
+    sizes: list[int]
+    workers: int = 2
+    repeat: int = 10
+    warmup: int = 2
+    compare: list[str] = field(default_factory=list)
+    #: the scheme's timeout for every call (seconds)
+    timeout: float = 60.0
+    #: how long one measurement (start-up included) may take before its processes are ended
+    job_timeout: float | None = None
+
+
+@dataclass
+class Row:
+    """One system at one size: latencies of each timed update, or the error that stopped it."""
+
+    system: str
+    kind: str  # "wsync", "torchrl" or "floor"
+    nbytes: int
+    workers: int | None
+    latencies_s: list[float] = field(default_factory=list)
+    error: str | None = None
+    #: sender's peak resident memory above the model during connect + sends (bytes)
+    sender_peak_above_model: int | None = None
+    connect_s: float | None = None
+    #: median time spent taking the snapshot, part of each update (wsync only)
+    snapshot_s: float | None = None
+    #: median latency over the memcpy floor's, filled in by ``run``
+    x_memcpy: float | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.latencies_s) if self.latencies_s else None
+
+    @property
+    def p10_s(self) -> float | None:
+        return _percentile(self.latencies_s, 0.10)
+
+    @property
+    def p90_s(self) -> float | None:
+        return _percentile(self.latencies_s, 0.90)
+
+    @property
+    def gib_per_s(self) -> float | None:
+        m = self.median_s
+        return self.nbytes / m / 2**30 if m else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(size=format_size(self.nbytes), median_s=self.median_s, p10_s=self.p10_s, p90_s=self.p90_s,
+                 gib_per_s=self.gib_per_s)
+        return d
+
+
+@dataclass
+class Report:
+    """A whole run: its configuration, the machine, and every row."""
+
+    config: BenchConfig
+    machine: dict[str, Any]
+    rows: list[Row]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "machine": self.machine, "rows": [r.to_dict() for r in self.rows]}
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"10KiB"``, ``"64MiB"``, ``"1.5GiB"``, ``"1MB"`` or ``"4096"``; raises ValueError."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"bad size {text!r}: expected a number with an optional unit "
+                         f"(B, KiB, MiB, GiB, KB, MB, GB), e.g. 64MiB") from None
+    if value < 4:
+        raise ValueError(f"bad size {text!r}: a model needs at least 4 bytes")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """``10KiB``, ``512MiB``, ``1.5GiB``: the shortest binary-unit spelling."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            v = nbytes / scale
+            return f"{v:g}{unit}" if v == round(v, 2) else f"{v:.2f}{unit}"
+    return f"{nbytes}B"
+
+
+# -- the model --------------------------------------------------------------------------------
+class _BenchModel(nn.Module):
+    """``_LAYERS`` square linear layers and a running-stats buffer that make up the byte size exactly."""
+
+    def __init__(self, dim: int, extra: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim, device="meta") for _ in range(_LAYERS if dim else 0))
+        self.register_buffer("stats", torch.empty(extra, device="meta"))
+
+
+def _model_dim(floats: int) -> int:
+    """The largest layer width whose ``_LAYERS`` layers leave at least one float for the buffer."""
+    dim = int(math.sqrt(max(floats - 1, 0) / _LAYERS))
+    while dim > 0 and _LAYERS * (dim * dim + dim) > floats - 1:
+        dim -= 1
+    return dim
+
+
+def build_model(nbytes: int) -> nn.Module:
+    """A float32 module of ``max(nbytes // 4, 1) * 4`` bytes: a few matrices, biases and one buffer.
+
+    Values are deterministic, not random: filling is cheap and the bytes moved are the same.
+    """
+    floats = max(nbytes // 4, 1)
+    dim = _model_dim(floats)
+    model = _BenchModel(dim, floats - _LAYERS * (dim * dim + dim))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
+            t.fill_(0.001 * (i + 1))
+    return model
+
+
+def _bump(model: nn.Module) -> None:
+    """What a training step does to the weights, in place (not timed)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.add_(1.0)
+
+
+# -- memory ------------------------------------------------------------------------------------
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# -- worker processes --------------------------------------------------------------------------
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def _tell(conn: Any, **msg: Any) -> None:
+    """Harness messages between our own processes travel as JSON, never pickled."""
+    conn.send_bytes(json.dumps(msg).encode())
+
+
+def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, stop: Any, conn: Any) -> None:
+    try:
+        model = build_model(nbytes)
+        _tell(conn, ready=worker_idx)
+        scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+        scheme.connect()
+        while not stop.is_set() and _parent_alive():
+            scheme.receive(timeout=0.1)
+    except Exception as exc:  # reported to the sender, which puts it in the row
+        _tell(conn, error=f"worker {worker_idx}: {type(exc).__name__}: {exc}", trace=traceback.format_exc())
+    finally:
+        scheme.shutdown()
+
+
+def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, stop: Any, conn: Any) -> None:
+    try:
+        model = build_model(nbytes)
+        _tell(conn, ready=worker_idx)
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.connect(worker_idx=worker_idx)
+        while not stop.wait(0.2) and _parent_alive():
+            pass
+    except Exception as exc:
+        _tell(conn, error=f"worker {worker_idx}: {type(exc).__name__}: {exc}", trace=traceback.format_exc())
+    finally:
+        scheme.shutdown()
+
+
+class _Workers:
+    """N receivers: spawned processes, or threads for a transport that cannot cross processes."""
+
+    def __init__(self, target: Callable[..., None], scheme: Any, n: int, nbytes: int, threads: bool) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.stop = threading.Event() if threads else self.ctx.Event()
+        self.conns = []
+        self.procs: list[Any] = []
+        for i in range(n):
+            mine, theirs = self.ctx.Pipe(duplex=False)
+            args = (scheme, i, nbytes, self.stop, theirs)
+            p = threading.Thread(target=target, args=args, daemon=True) if threads else self.ctx.Process(
+                target=target, args=args, name=f"wsync-bench-worker-{i}")
+            self.conns.append((mine, theirs))
+            self.procs.append(p)
+
+    def start(self, timeout: float) -> None:
+        """Start every worker and wait until each has built its model; raise RuntimeError if one fails."""
+        for p in self.procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            self.check()
+            for i in list(waiting):
+                if self.conns[i][0].poll(0.05):
+                    msg = json.loads(self.conns[i][0].recv_bytes())
+                    if "error" in msg:
+                        raise RuntimeError(msg["error"])
+                    waiting.discard(i)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers {sorted(waiting)} did not start within {timeout:g} s")
+
+    def check(self) -> None:
+        """Raise RuntimeError with the first worker error or death seen so far."""
+        for i, (conn, _) in enumerate(self.conns):
+            while conn.poll(0):
+                msg = json.loads(conn.recv_bytes())
+                if "error" in msg:
+                    raise RuntimeError(msg["error"])
+            p = self.procs[i]
+            if isinstance(p, multiprocessing.process.BaseProcess) and p.exitcode not in (None, 0):
+                raise RuntimeError(f"worker {i} exited with code {p.exitcode}")
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            if p.ident is not None:
+                p.join(timeout=30)
+        for p in self.procs:
+            if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for a, b in self.conns:
+            a.close()
+            b.close()
+
+
+# -- one measurement, in the sender process -----------------------------------------------------
+def _time_sends(model: nn.Module, repeat: int, warmup: int, send: Callable[[], None],
+                workers: _Workers) -> list[float]:
+    lat = []
+    for k in range(warmup + repeat):
+        _bump(model)
+        t0 = time.perf_counter()
+        send()
+        dt = time.perf_counter() - t0
+        if k >= warmup:
+            lat.append(dt)
+        workers.check()
+    return lat
+
+
+def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
+    from .registry import get_transport
+    from .scheme import WeightSyncScheme
+
+    nbytes, n = job["nbytes"], job["workers"]
+    threads = not get_transport(job["system"]).capabilities.processes
+    model = build_model(nbytes)
+    rss0 = _status_kib("VmRSS")
+    tracked = _reset_peak_rss() and rss0 is not None
+    scheme = WeightSyncScheme(job["system"], timeout=job["timeout"])
+    scheme.init_on_sender(model=model, num_workers=n)
+    workers = _Workers(_wsync_worker, scheme, n, nbytes, threads)
+    snapshots: list[float] = []
+    try:
+        workers.start(job["start_timeout"])
+        t0 = time.perf_counter()
+        scheme.connect()
+        connect_s = time.perf_counter() - t0
+
+        def send() -> None:
+            scheme.send()
+            snapshots.append(scheme.last_report.snapshot_s)
+
+        lat = _time_sends(model, job["repeat"], job["warmup"], send, workers)
+        peak = _status_kib("VmHWM") if tracked else None
+    finally:
+        workers.close()
+        scheme.shutdown()
+    return {"latencies_s": lat, "connect_s": connect_s,
+            "snapshot_s": statistics.median(snapshots[job["warmup"]:]) if len(snapshots) > job["warmup"] else None,
+            "sender_peak_above_model": None if peak is None else max(0, (peak - rss0) * 1024)}
+
+
+def _run_torchrl(job: dict[str, Any]) -> dict[str, Any]:
+    import torchrl.weight_update as wu
+    from tensordict import TensorDict
+
+    nbytes, n = job["nbytes"], job["workers"]
+    ctx = multiprocessing.get_context("spawn")
+    model = build_model(nbytes)
+    live = TensorDict.from_module(model)
+    rss0 = _status_kib("VmRSS")
+    tracked = _reset_peak_rss() and rss0 is not None
+    buffer = live.detach().clone()  # reused: the trainer copies into it before every send
+    scheme = getattr(wu, TORCHRL_SCHEMES[job["system"]])()
+    # SharedMem shares `buffer` itself with the workers (their models alias it): one copy per
+    # update. MultiProcess gets a separate initial copy, so each send really moves `buffer`.
+    initial = buffer if job["system"] == "torchrl SharedMem" else live.detach().clone()
+    scheme.init_on_sender(model_id="policy", weights=initial, devices=[torch.device("cpu")] * n, ctx=ctx)
+    workers = _Workers(_torchrl_worker, scheme, n, nbytes, threads=False)
+    try:
+        workers.start(job["start_timeout"])
+        t0 = time.perf_counter()
+        scheme.connect()
+        connect_s = time.perf_counter() - t0
+
+        def send() -> None:
+            with torch.no_grad():
+                buffer.update_(live)
+            scheme.send(weights=buffer)
+
+        lat = _time_sends(model, job["repeat"], job["warmup"], send, workers)
+        peak = _status_kib("VmHWM") if tracked else None
+    finally:
+        scheme.shutdown()
+        workers.close()
+    return {"latencies_s": lat, "connect_s": connect_s,
+            "sender_peak_above_model": None if peak is None else max(0, (peak - rss0) * 1024)}
+
+
+def _sender_main(conn: Any, job: dict[str, Any]) -> None:
+    """Entry point of a spawned sender: run one job, send back its figures as JSON."""
+    os.setpgid(0, 0)  # own process group: the parent can end this sender and its workers together
+    try:
+        result = _run_torchrl(job) if job["kind"] == "torchrl" else _run_wsync(job)
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    _tell(conn, **result)
+
+
+def _run_job(job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run ``job`` in a fresh sender process; end its whole process group if it overruns."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_sender_main, args=(theirs, job), name=f"wsync-bench-{job['system']}")
+    proc.start()
+    theirs.close()
+    try:
+        if mine.poll(timeout):
+            try:
+                return json.loads(mine.recv_bytes())
+            except EOFError:
+                pass
+            proc.join(timeout=30)
+            return {"error": f"sender process exited with code {proc.exitcode} before reporting"}
+        return {"error": f"timed out after {timeout:g} s (sender and workers ended)"}
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive() or proc.exitcode is None:
+            _kill_group(proc.pid)
+            proc.join(timeout=5)
+        else:
+            _kill_group(proc.pid)  # workers left behind by a sender that exited
+        mine.close()
+
+
+def _kill_group(pgid: int | None) -> None:
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- floors, in this process ---------------------------------------------------------------------
+def memcpy_floor(nbytes: int, repeat: int) -> list[float]:
+    """Seconds for single-thread copies of ``nbytes`` between two touched uint8 tensors."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dst.copy_(src)
+        out = []
+        for _ in range(max(repeat, 5)):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tcp_floor(nbytes: int, repeat: int) -> list[float]:
+    """Seconds to send ``nbytes`` over loopback TCP and get a one-byte answer (a raw socket's floor)."""
+    src = memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy())
+    sink = memoryview(bytearray(nbytes))
+    server = socket.create_server(("127.0.0.1", 0))
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            conn, _ = server.accept()
+            with conn:
+                for _ in range(1 + max(repeat, 5)):
+                    got = 0
+                    while got < nbytes:
+                        k = conn.recv_into(sink[got:], nbytes - got)
+                        if k == 0:
+                            return
+                        got += k
+                    conn.sendall(b"k")
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    out = []
+    try:
+        with socket.create_connection(server.getsockname()[:2], timeout=60) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for k in range(1 + max(repeat, 5)):
+                t0 = time.perf_counter()
+                c.sendall(src)
+                if c.recv(1) != b"k":
+                    raise OSError("raw TCP floor: the loopback peer closed early")
+                if k:
+                    out.append(time.perf_counter() - t0)
+    finally:
+        server.close()
+        thread.join(timeout=10)
+    if errors:
+        raise errors[0]
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------------
+class _Progress:
+    """tqdm when it is installed, else one updating line on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_description(label)
+            return
+        end = "\r" if sys.stderr.isatty() else "\n"
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        print(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}", end=end,
+              file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and sys.stderr.isatty():
+            print(file=sys.stderr)
+
+
+def _systems(config: BenchConfig) -> list[tuple[str, str]]:
+    systems = [(t, "wsync") for t in config.transports]
+    for c in config.compare:
+        if c != "torchrl":
+            raise ValueError(f"--compare takes 'torchrl', got {c!r}")
+        systems += [(name, "torchrl") for name in TORCHRL_SCHEMES]
+    return systems
+
+
+def _unavailable(system: str, kind: str) -> str | None:
+    """Why ``system`` cannot run here, or None."""
+    if kind == "torchrl":
+        try:
+            import torchrl.weight_update  # noqa: F401
+        except ImportError as exc:
+            return f"TorchRL is not installed ({exc}); pip install torchrl"
+        return None
+    from .registry import get_transport
+    from .errors import UnknownTransportError
+
+    try:
+        get_transport(system)
+    except UnknownTransportError as exc:
+        return str(exc)
+    return None
+
+
+def _network(system: str) -> bool:
+    from .registry import get_transport
+
+    try:
+        return get_transport(system).capabilities.multi_host
+    except Exception:  # an unknown transport has no floor of its own; its row carries the error
+        return False
+
+
+def run(config: BenchConfig, progress: bool = True) -> Report:
+    """Time every system at every size; failures become rows with ``error`` set, never exceptions."""
+    if config.workers < 1 or config.repeat < 1:
+        raise ValueError(f"workers and repeat must be >= 1, got {config.workers} and {config.repeat}")
+    systems = _systems(config)
+    network = any(kind == "wsync" and _network(s) for s, kind in systems)
+    floors = ["memcpy"] + (["tcp"] if network else [])
+    bar = _Progress(len(config.sizes) * (len(floors) + len(systems)), progress)
+    rows: list[Row] = []
+    try:
+        for nbytes in config.sizes:
+            nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
+            memcpy_row = None
+            for name in floors:
+                bar.step(f"{name} {format_size(nbytes)}")
+                fn = memcpy_floor if name == "memcpy" else tcp_floor
+                row = Row(name, "floor", nbytes, None)
+                try:
+                    row.latencies_s = fn(nbytes, config.repeat)
+                except OSError as exc:
+                    row.error = f"{type(exc).__name__}: {exc}"
+                rows.append(row)
+                memcpy_row = memcpy_row or row
+                bar.advance()
+            for system, kind in systems:
+                bar.step(f"{system} {format_size(nbytes)} x{config.workers}")
+                row = Row(system, kind, nbytes, config.workers)
+                row.error = _unavailable(system, kind)
+                if row.error is None:
+                    job = {"system": system, "kind": kind, "nbytes": nbytes, "workers": config.workers,
+                           "repeat": config.repeat, "warmup": config.warmup, "timeout": config.timeout,
+                           "start_timeout": 120.0 + 15.0 * config.workers}
+                    result = _run_job(job, config.job_timeout or _job_timeout(config, nbytes))
+                    row.error = result.get("error")
+                    for key in ("latencies_s", "connect_s", "snapshot_s", "sender_peak_above_model"):
+                        if key in result:
+                            setattr(row, key, result[key])
+                rows.append(row)
+                bar.advance()
+    finally:
+        bar.close()
+    floor = {r.nbytes: r.median_s for r in rows if r.system == "memcpy"}
+    for r in rows:
+        if r.median_s and floor.get(r.nbytes):
+            r.x_memcpy = r.median_s / floor[r.nbytes]
+    return Report(config, machine_info(), rows)
+
+
+def _job_timeout(config: BenchConfig, nbytes: int) -> float:
+    # start-up (spawning and importing on a loaded machine), then generous per-update time
+    per_update = 2.0 + nbytes / 20e6
+    return 180.0 + 20.0 * config.workers + (config.repeat + config.warmup) * per_update
+
+
+# -- output ------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """Where the figures come from: OS, CPU, cores, memory, Python, torch, wsync and its transports."""
+    from . import __version__
+    from .registry import list_transports
+
+    cpu = platform.processor() or platform.machine()
+    mem = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "wsync_core": __version__,
+        "transports": {i.name: {"distribution": i.distribution, "version": i.version, "error": i.error}
+                       for i in list_transports()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+    try:
+        import importlib.metadata
+
+        info["torchrl"] = importlib.metadata.version("torchrl")
+    except importlib.metadata.PackageNotFoundError:
+        info["torchrl"] = None
+    return info
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    ms = v * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def format_table(report: Report) -> str:
+    """The report as an aligned text table (Markdown-compatible), one line per system and size."""
+    head = ("system", "size", "workers", "median ms", "p10 ms", "p90 ms", "GiB/s", "x memcpy", "sender +MiB")
+    lines = [head]
+    for r in report.rows:
+        if r.error:
+            lines.append((r.system, format_size(r.nbytes), str(r.workers or "-"), "error: " + r.error.splitlines()[0],
+                          "", "", "", "", ""))
+            continue
+        lines.append((
+            r.system, format_size(r.nbytes), str(r.workers or "-"), _ms(r.median_s), _ms(r.p10_s), _ms(r.p90_s),
+            f"{r.gib_per_s:.2f}" if r.gib_per_s else "-",
+            f"{r.x_memcpy:.2f}" if r.x_memcpy else "-",
+            "-" if r.sender_peak_above_model is None else f"{r.sender_peak_above_model / 2**20:.0f}",
+        ))
+    widths = [max(len(line[c]) for line in lines if not line[c].startswith("error: ")) for c in range(len(head))]
+    out = []
+    for k, line in enumerate(lines):
+        cells = [line[c].ljust(widths[c]) if c < 3 else line[c].rjust(widths[c]) for c in range(len(head))]
+        if line[3].startswith("error: "):
+            cells = [line[c].ljust(widths[c]) for c in range(3)] + [line[3]]
+        out.append("| " + " | ".join(cells).rstrip() + " |" if not line[3].startswith("error: ")
+                   else "| " + " | ".join(cells) + " |")
+        if k == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def write_json(report: Report, path: str) -> None:
+    """Every figure of ``report``, with the machine's description, as JSON at ``path``."""
+    with open(path, "w") as f:
+        json.dump(report.to_dict(), f, indent=2)
+        f.write("\n")
+
+
+def plot(report: Report, path: str) -> None:
+    """Median latency against model size, log-log, one line per system, floors dashed; PNG at ``path``.
+
+    Raises ImportError naming matplotlib if it is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=100)
+    names = list(dict.fromkeys(r.system for r in report.rows))
+    for name in names:
+        pts = sorted((r.nbytes, r) for r in report.rows if r.system == name and r.median_s)
+        if not pts:
+            continue
+        xs = [n / 2**20 for n, _ in pts]
+        ys = [r.median_s * 1e3 for _, r in pts]
+        floor = pts[0][1].kind == "floor"
+        label = {"memcpy": "memcpy floor (1 thread)", "tcp": "raw TCP loopback floor"}.get(name, name)
+        line, = ax.plot(xs, ys, "--" if floor else "-o", label=label, color="black" if name == "memcpy" else None,
+                        linewidth=1.2 if floor else 1.8, markersize=4)
+        if not floor:
+            ax.fill_between(xs, [r.p10_s * 1e3 for _, r in pts], [r.p90_s * 1e3 for _, r in pts],
+                            color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model size (MiB)")
+    ax.set_ylabel("one synchronous update (ms, median; band p10-p90)")
+    m = report.machine
+    ax.set_title(f"wsync bench: {report.config.workers} worker processes, {m.get('cores')} cores, "
+                 f"{m.get('cpu')}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``wsync bench``: run, print the table, write JSON and a plot if asked. Exit 1 if a wsync transport failed."""
+    try:
+        config = BenchConfig(
+            transports=[t.strip() for t in args.transports.split(",") if t.strip()],
+            sizes=[parse_size(s) for s in args.sizes.split(",") if s.strip()],
+            workers=args.workers,
+            repeat=args.repeat,
+            compare=[c.strip() for c in (args.compare or "").split(",") if c.strip()],
+        )
+        _systems(config)
+        if config.workers < 1 or config.repeat < 1:
+            raise ValueError(f"--workers and --repeat must be >= 1, got {config.workers} and {config.repeat}")
+    except ValueError as exc:
+        print(f"wsync bench: {exc}", file=sys.stderr)
+        return 2
+    report = run(config, progress=True)
+    print(format_table(report))
+    if args.json_file:
+        write_json(report, args.json_file)
+        print(f"wrote {args.json_file}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r for r in report.rows if r.kind == "wsync" and r.error]
+    return 1 if failed else 0
