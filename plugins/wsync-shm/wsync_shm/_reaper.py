@@ -1,0 +1,26 @@
+"""Unlinks a sender's shared-memory files once the sender is gone, however it went.
+
+Run by the sender as ``python -I -S _reaper.py`` in its own session. It reads one path per
+line on stdin until end of file, which comes when the sender closes the pipe or dies (even
+by SIGKILL), then unlinks every path it was given. It imports nothing from wsync or torch.
+"""
+
+import os
+import sys
+
+
+def main() -> None:
+    paths = set()
+    for line in sys.stdin.buffer:
+        path = line.rstrip(b"\n")
+        if path.startswith(b"/dev/shm/wsync-") and b"/" not in path[len(b"/dev/shm/"):]:
+            paths.add(path)
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+if __name__ == "__main__":
+    main()

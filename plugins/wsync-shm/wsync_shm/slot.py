@@ -1,0 +1,128 @@
+"""Slots: named shared-memory files under /dev/shm that hold one snapshot each.
+
+A slot file is a 64-byte head, whose first 8 bytes hold the *generation* of the snapshot in
+it, followed by the payload. Readers hold a shared ``flock`` on the file while they read it;
+the sender takes an exclusive one, without waiting, before it writes. The kernel drops a
+dead process's locks, so a killed reader never pins a slot.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import warnings
+
+import torch
+
+from wsync_core import TransportError
+
+__all__ = ["Slot", "SHM_DIR", "HEAD"]
+
+SHM_DIR = "/dev/shm"
+#: bytes before the payload (keeps the payload 64-byte aligned)
+HEAD = 64
+_GEN = struct.Struct("<Q")
+
+
+class Slot:
+    """One mapped slot file; ``payload`` is a uint8 tensor over its payload bytes."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, writable: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self._locks = 0
+        self.writable = writable
+        nbytes = len(mm) - HEAD
+        if nbytes == 0:
+            self.payload = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # a read-only mapping: torch warns it cannot mark it so
+                warnings.simplefilter("ignore", UserWarning)
+                self.payload = torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)
+
+    @classmethod
+    def create(cls, path: str, nbytes: int) -> Slot:
+        """Create, size and map a new slot file; raises TransportError if it exists or /dev/shm is full."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory file {path}: {exc}") from None
+        try:
+            os.posix_fallocate(fd, 0, HEAD + nbytes)  # ENOSPC now rather than SIGBUS on first write
+            mm = mmap.mmap(fd, HEAD + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise TransportError(f"cannot allocate {HEAD + nbytes} bytes of shared memory at {path}: {exc}; "
+                                 f"is {SHM_DIR} large enough?") from None
+        return cls(path, fd, mm, writable=True)
+
+    @classmethod
+    def open(cls, path: str) -> Slot:
+        """Map an existing slot file read-only; raises TransportError if it is missing or malformed."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TransportError(f"cannot open shared-memory file {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEAD:
+                raise TransportError(f"shared-memory file {path} has {size} bytes, expected at least {HEAD}")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, writable=False)
+
+    # -- generation and locks ---------------------------------------------------------------
+    @property
+    def gen(self) -> int:
+        """The generation of the snapshot this slot holds (0: none yet)."""
+        return _GEN.unpack_from(self._mm, 0)[0]
+
+    @gen.setter
+    def gen(self, value: int) -> None:
+        _GEN.pack_into(self._mm, 0, value)
+
+    def try_lock(self, exclusive: bool) -> bool:
+        """Take the slot's lock without waiting; False if a conflicting lock is held.
+
+        Shared locks are counted: each successful call needs one ``unlock``.
+        """
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._locks += 1
+        return True
+
+    def unlock(self) -> None:
+        """Give back one lock taken by ``try_lock``; the file is unlocked when none is left."""
+        if self._locks > 0:
+            self._locks -= 1
+            if self._locks == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Unlock and let go of the mapping (unmapped when the last tensor viewing it goes); idempotent."""
+        if self._fd < 0:
+            return
+        if self._locks:
+            self._locks = 0
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = -1
+        # torch.frombuffer does not count as an export, so mmap.close() would unmap memory that
+        # a tensor may still view; dropping our references unmaps it once the last view is gone.
+        self.payload = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+
+    def unlink(self) -> None:
+        """Remove the file's name (mappings stay valid); a missing name is fine."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

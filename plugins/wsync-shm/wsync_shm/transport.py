@@ -1,0 +1,465 @@
+"""``shm``: snapshots in named shared memory, wake-ups and acks over a Unix socket, one host.
+
+The sender owns a few *slots* (``/dev/shm/wsync-<name>-<token>-<i>``, see ``slot.py``), two in
+the common case. The core writes each snapshot straight into a free slot (the one sender-side
+copy); the sender then tells each target, over its socket, "slot i holds generation g" with
+the header. A receiver takes a shared lock on slot i, checks the generation and hands the
+core a read-only view of the slot, which the core copies into the model (the one
+receiver-side copy) before releasing the lock.
+
+A slot is free for the next snapshot when it is not the latest, no worker has been told to
+read it without having read it yet (its *mailbox*), and no reader holds its lock. A receiver
+that finds a slot locked for writing, or holding another generation, was told about it
+before a newer delivery, which is already on its way; it drops the old one.
+
+Receivers find the sender by ``name`` alone (an abstract Unix socket), so a plain-pickled
+scheme or one built independently with the same ``name`` connects. Slot files are unlinked
+by the sender on close, by a small reaper process if the sender dies, and by receivers that
+see the sender vanish.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from wsync_core import (
+    Acked,
+    Capabilities,
+    Deadline,
+    Delivery,
+    Joined,
+    Left,
+    ReceiverContext,
+    ReceiverEndpoint,
+    SenderContext,
+    SenderEndpoint,
+    Transport,
+    TransportError,
+    WorkerTimeoutError,
+)
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import Event
+
+from . import wire
+from .slot import SHM_DIR, Slot
+
+__all__ = ["ShmTransport"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,80}\Z")
+_TOKEN = re.compile(rb"[0-9a-f]{12}\Z")
+_WORKER = struct.Struct("<q")
+_TAKEN = struct.Struct("<Q")
+_DELIVER = struct.Struct("<IQ")  # slot index, generation
+_ACK_SEND_TIMEOUT = 30.0
+
+
+def _slot_path(name: str, token: str, index: int) -> str:
+    return f"{SHM_DIR}/wsync-{name}-{token}-{index}"
+
+
+class _Conn:
+    """A receiver's connection as the sender sees it."""
+
+    __slots__ = ("sock", "worker", "reader", "out", "pid")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.worker: int | None = None
+        self.reader = wire.FrameReader(_TAKEN.size + MAX_ACK_BYTES)
+        self.out = bytearray()
+        self.pid = wire.peer_pid(sock)
+
+
+class _Sender(SenderEndpoint):
+    def __init__(self, transport: ShmTransport, ctx: SenderContext) -> None:
+        self._name: str = transport.options["name"]
+        self._nbytes = ctx.layout.nbytes
+        self._num_workers = ctx.num_workers
+        self._token = secrets.token_hex(6)
+        self._slots: list[Slot] = []
+        self._latest: int | None = None  # slot last published
+        self._acquired: int | None = None  # slot handed out by acquire, not yet published
+        self._gen = 0
+        self._mailbox: dict[int, tuple[int, int]] = {}  # worker -> (slot, generation) last sent to it
+        self._taken: dict[int, int] = {}  # worker -> newest generation it has taken
+        self._conns: dict[int, _Conn] = {}  # worker -> its connection (after HELLO)
+        self._events: list[Event] = []
+        self._listener: socket.socket | None = None
+        self._selector: selectors.DefaultSelector | None = None
+        self._reaper: subprocess.Popen | None = None
+
+    # -- set-up and tear-down ---------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(wire.address(self._name))
+        except OSError as exc:
+            listener.close()
+            raise TransportError(f"shm channel {self._name!r} is already in use by another sender ({exc}); "
+                                 f"give each sender its own name=") from None
+        listener.listen(max(128, self._num_workers))
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        reaper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+        self._reaper = subprocess.Popen([sys.executable, "-I", "-S", reaper], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(2):
+            self._new_slot()
+
+    def _new_slot(self) -> int:
+        index = len(self._slots)
+        path = _slot_path(self._name, self._token, index)
+        self._reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
+        self._reaper.stdin.flush()
+        self._slots.append(Slot.create(path, self._nbytes))
+        return index
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.unlink()
+            slot.close()
+        self._slots = []
+        for conn in list(self._conns.values()):
+            conn.sock.close()
+        self._conns.clear()
+        if self._selector is not None:
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()
+            self._selector.close()
+            self._selector = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._reaper is not None:
+            reaper, self._reaper = self._reaper, None
+            reaper.stdin.close()
+            try:
+                reaper.wait(10.0)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait()
+
+    # -- the core's calls -------------------------------------------------------------------
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        if self._acquired is not None:  # handed out before but never published: still ours
+            return self._slots[self._acquired].payload
+        self._pump(0.0)
+        while True:
+            order = sorted(range(len(self._slots)), key=lambda i: self._slots[i].gen)
+            for i in order:
+                if i != self._latest and not self._owed(i) and self._slots[i].try_lock(exclusive=True):
+                    return self._hand_out(i)
+            if len(self._slots) < self._num_workers + 2:  # one owed per worker, the latest, a spare
+                i = self._new_slot()
+                self._slots[i].try_lock(exclusive=True)
+                return self._hand_out(i)
+            if deadline.expired():
+                owing = sorted(w for w, (i, g) in self._mailbox.items() if g > self._taken.get(w, -1))
+                raise WorkerTimeoutError(
+                    f"no shared-memory slot freed up within {deadline.timeout:g} s: all "
+                    f"{len(self._slots)} are being read or owed to workers {owing}", owing)
+            self._pump(deadline.slice(0.002))  # readers unlock without a message: look again soon
+
+    def _owed(self, index: int) -> bool:
+        """Whether some worker was told to read slot ``index`` and has not taken it yet."""
+        return any(i == index and g > self._taken.get(w, -1) for w, (i, g) in self._mailbox.items())
+
+    def _hand_out(self, index: int) -> torch.Tensor:
+        self._gen += 1
+        self._slots[index].gen = self._gen
+        self._acquired = index
+        return self._slots[index].payload
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        index = next((i for i, s in enumerate(self._slots) if s.payload is buffer), None)
+        if index is None:
+            raise TransportError("publish() got a buffer that acquire() did not return")
+        if index == self._acquired:
+            self._acquired = None
+            self._slots[index].unlock()
+            self._latest = index
+        gen = self._slots[index].gen
+        message = wire.frame(wire.DELIVER, _DELIVER.pack(index, gen) + header)
+        for w in workers:
+            conn = self._conns.get(w)
+            if conn is not None:
+                self._mailbox[w] = (index, gen)
+                self._send(conn, message)
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        self._pump(0.0)
+        while not self._events and not deadline.expired():
+            self._pump(deadline.slice(3600.0))
+        events, self._events = self._events, []
+        return events
+
+    # -- the socket side --------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Handle socket activity, waiting up to ``timeout`` seconds for some."""
+        for key, mask in self._selector.select(timeout):
+            if key.fileobj is self._listener:
+                self._accept()
+                continue
+            conn: _Conn = key.data
+            if mask & selectors.EVENT_WRITE:
+                self._send(conn, b"")
+            if mask & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                self._read(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            try:
+                wire.check_peer(sock)
+            except TransportError:  # another user's process: not a worker of ours, nothing to report
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, _Conn(sock))
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            return self._drop(conn, f"connection failed: {exc}")
+        if not data:
+            return self._drop(conn, "connection closed (the worker shut down or died)")
+        try:
+            frames = conn.reader.feed(data)
+        except TransportError as exc:
+            return self._drop(conn, f"protocol violation: {exc}")
+        for kind, body in frames:
+            if kind == wire.HELLO and conn.worker is None and len(body) == _WORKER.size:
+                self._hello(conn, _WORKER.unpack(body)[0])
+            elif kind == wire.ACK and conn.worker is not None and len(body) >= _TAKEN.size:
+                w = conn.worker
+                self._taken[w] = max(self._taken.get(w, -1), _TAKEN.unpack_from(body)[0])
+                self._events.append(Acked(w, body[_TAKEN.size:]))
+            else:
+                return self._drop(conn, f"protocol violation: unexpected frame {bytes([kind])!r}")
+            if conn.sock.fileno() < 0:
+                return
+
+    def _hello(self, conn: _Conn, w: int) -> None:
+        if not 0 <= w < self._num_workers:
+            return self._refuse(conn, f"worker_idx {w} is out of range: this sender has {self._num_workers} workers")
+        old = self._conns.get(w)
+        if old is not None:
+            self._read(old)  # a worker that restarted: its old connection may have closed already
+        if self._conns.get(w) is not None:
+            return self._refuse(conn, f"worker {w} is already connected (process {self._conns[w].pid})")
+        conn.worker = w
+        self._conns[w] = conn
+        self._mailbox.pop(w, None)
+        self._taken[w] = -1
+        self._send(conn, wire.frame(wire.WELCOME, self._token.encode()))
+        self._events.append(Joined(w))
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        try:
+            conn.sock.send(wire.frame(wire.REFUSE, reason.encode()))
+        except OSError:
+            pass
+        self._drop(conn, reason)
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        had = bool(conn.out)
+        conn.out += data
+        try:
+            wire.send_some(conn.sock, conn.out)
+        except OSError as exc:
+            return self._drop(conn, f"connection failed: {exc}")
+        if bool(conn.out) != had:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+            self._selector.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+        w = conn.worker
+        if w is not None and self._conns.get(w) is conn:
+            del self._conns[w]
+            self._mailbox.pop(w, None)
+            self._events.append(Left(w, reason))
+
+
+class _Receiver(ReceiverEndpoint):
+    def __init__(self, transport: ShmTransport, ctx: ReceiverContext) -> None:
+        self._name: str = transport.options["name"]
+        self._worker = ctx.worker_idx
+        self._sock: socket.socket | None = None
+        self._reader = wire.FrameReader(_DELIVER.size + MAX_HEADER_BYTES)
+        self._token: str | None = None
+        self._slots: dict[int, Slot] = {}
+        self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
+        self._taken = 0
+        self._closed_by: str | None = None  # why the sender's side of the socket is gone
+
+    def open(self, deadline: Deadline) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            while True:
+                try:
+                    sock.connect(wire.address(self._name))
+                    break
+                except (ConnectionRefusedError, FileNotFoundError):
+                    if deadline.expired():
+                        raise WorkerTimeoutError(
+                            f"worker {self._worker} found no shm sender named {self._name!r} within "
+                            f"{deadline.timeout:g} s; is the sender connected with the same name= option?",
+                            []) from None
+                    time.sleep(deadline.slice(0.01))
+            wire.check_peer(sock)
+            sock.sendall(wire.frame(wire.HELLO, _WORKER.pack(self._worker)))
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        while True:
+            self._read()
+            if self._newest is not None:
+                delivery = self._take()
+                if delivery is not None:
+                    return delivery
+                continue  # it was stale; a newer one is on its way
+            if self._closed_by is not None:
+                raise TransportError(f"worker {self._worker}: {self._closed_by}; it keeps the version it holds")
+            if deadline.expired():
+                return None
+            left = deadline.remaining()
+            with selectors.DefaultSelector() as sel:
+                sel.register(self._sock, selectors.EVENT_READ)
+                sel.select(None if left == float("inf") else left)
+
+    def _read(self) -> None:
+        """Take in every frame waiting on the socket; remember only the newest delivery."""
+        while self._closed_by is None:
+            try:
+                data = self._sock.recv(1 << 20)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                return self._sender_gone(f"the connection to the shm sender failed ({exc})")
+            if not data:
+                return self._sender_gone(f"the shm sender {self._name!r} closed the connection (it shut down or died)")
+            for kind, body in self._reader.feed(data):
+                if kind == wire.DELIVER and len(body) >= _DELIVER.size and self._token is not None:
+                    index, gen = _DELIVER.unpack_from(body)
+                    self._newest = (index, gen, body[_DELIVER.size:])
+                elif kind == wire.WELCOME and _TOKEN.match(body) and self._token is None:
+                    self._token = body.decode()
+                elif kind == wire.REFUSE:
+                    self._closed_by = f"the shm sender refused this worker: {body.decode(errors='replace')}"
+                    return
+                else:
+                    raise TransportError(f"worker {self._worker}: the shm sender sent a malformed "
+                                         f"frame {bytes([kind])!r} of {len(body)} bytes")
+
+    def _take(self) -> Delivery | None:
+        """Lock and check the newest delivery's slot; None if the sender has reused it since."""
+        index, gen, header = self._newest
+        self._newest = None
+        slot = self._slots.get(index)
+        if slot is None:
+            if index >= 4096:
+                raise TransportError(f"worker {self._worker}: the shm sender named slot {index}")
+            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index))
+        if not slot.try_lock(exclusive=False):
+            return None
+        if slot.gen != gen:
+            slot.unlock()
+            return None
+        self._taken = gen
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slot.unlock()
+
+        return Delivery(header, slot.payload, release)
+
+    def _sender_gone(self, why: str) -> None:
+        self._closed_by = why
+        if self._token is not None:  # a sender that died leaves its files; a clean one already removed them
+            prefix = f"wsync-{self._name}-{self._token}-"
+            for entry in os.listdir(SHM_DIR):
+                if entry.startswith(prefix) and entry[len(prefix):].isdigit():
+                    try:
+                        os.unlink(os.path.join(SHM_DIR, entry))
+                    except FileNotFoundError:
+                        pass
+
+    def ack(self, data: bytes) -> None:
+        if self._closed_by is not None:
+            return
+        out = bytearray(wire.frame(wire.ACK, _TAKEN.pack(self._taken) + data))
+        deadline = Deadline(_ACK_SEND_TIMEOUT)
+        try:
+            wire.send_some(self._sock, out)
+            while out:
+                with selectors.DefaultSelector() as sel:
+                    sel.register(self._sock, selectors.EVENT_WRITE)
+                    if not sel.select(deadline.remaining()):
+                        raise TransportError(f"worker {self._worker}: the shm sender took no ack for "
+                                             f"{_ACK_SEND_TIMEOUT:g} s")
+                wire.send_some(self._sock, out)
+        except OSError as exc:
+            self._sender_gone(f"the connection to the shm sender failed ({exc})")
+
+    def close(self) -> None:
+        for slot in self._slots.values():
+            slot.close()
+        self._slots.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class ShmTransport(Transport):
+    """Shared memory on one host. ``name`` is the channel (default: unique); receivers built
+    independently with the same ``name`` find the sender.
+    """
+
+    name = "shm"
+    capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
+                                late_join=True, cuda=True)
+
+    def __init__(self, *, name: str | None = None, checksum: bool = False) -> None:
+        name = name or uuid.uuid4().hex[:16]
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
+        super().__init__(name=name, checksum=bool(checksum))
+
+    def sender(self, ctx: SenderContext) -> SenderEndpoint:
+        return _Sender(self, ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
+        return _Receiver(self, ctx)
