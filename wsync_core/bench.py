@@ -16,6 +16,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import platform
 import signal
 import socket
@@ -230,10 +231,12 @@ def _tell(conn: Any, **msg: Any) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
 
-def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, stop: Any, conn: Any) -> None:
+def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
     try:
         model = build_model(nbytes)
         _tell(conn, ready=worker_idx)
+        if not go.wait(300):
+            raise RuntimeError("the sender never started")
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
         scheme.connect()
         while not stop.is_set() and _parent_alive():
@@ -244,10 +247,12 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, stop: Any, conn: An
         scheme.shutdown()
 
 
-def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, stop: Any, conn: Any) -> None:
+def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
     try:
         model = build_model(nbytes)
         _tell(conn, ready=worker_idx)
+        if not go.wait(300):  # TorchRL's receiver waits only 10 s for its initial weights
+            raise RuntimeError("the sender never started")
         scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
         scheme.connect(worker_idx=worker_idx)
         while not stop.wait(0.2) and _parent_alive():
@@ -263,19 +268,24 @@ class _Workers:
 
     def __init__(self, target: Callable[..., None], scheme: Any, n: int, nbytes: int, threads: bool) -> None:
         self.ctx = multiprocessing.get_context("spawn")
+        self.go = threading.Event() if threads else self.ctx.Event()
         self.stop = threading.Event() if threads else self.ctx.Event()
         self.conns = []
         self.procs: list[Any] = []
         for i in range(n):
             mine, theirs = self.ctx.Pipe(duplex=False)
-            args = (scheme, i, nbytes, self.stop, theirs)
+            # each worker holds its own copy of the scheme, as it would in another process
+            args = (pickle.loads(pickle.dumps(scheme)) if threads else scheme, i, nbytes, self.go, self.stop, theirs)
             p = threading.Thread(target=target, args=args, daemon=True) if threads else self.ctx.Process(
                 target=target, args=args, name=f"wsync-bench-worker-{i}")
             self.conns.append((mine, theirs))
             self.procs.append(p)
 
     def start(self, timeout: float) -> None:
-        """Start every worker and wait until each has built its model; raise RuntimeError if one fails."""
+        """Start every worker, wait until each has built its model, then let them connect.
+
+        Raises RuntimeError if one fails or does not start by the timeout.
+        """
         for p in self.procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -290,6 +300,7 @@ class _Workers:
                     waiting.discard(i)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers {sorted(waiting)} did not start within {timeout:g} s")
+        self.go.set()
 
     def check(self) -> None:
         """Raise RuntimeError with the first worker error or death seen so far."""

@@ -394,7 +394,7 @@ class WeightSyncScheme:
             self._layout_sent.discard(w)
             self._deliver([w])
         elif isinstance(event, Left):
-            log.warning("worker %d left: %s", w, event.reason)
+            log.info("worker %d left: %s", w, event.reason)
             self._joined.discard(w)
             self._left.add(w)
         elif isinstance(event, Acked):
