@@ -1,0 +1,136 @@
+"""A worker's side: one DEALER socket connected to the sender, saying hello on every (re)connection.
+
+Frames larger than this worker's model (or a generous header bound) are refused by libzmq
+before it allocates them; everything else is checked by ``wire.decode_delivery`` before the
+core sees it. The payload tensor reads the received frame in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import zmq
+from wsync_core import TransportError
+from wsync_core.deadline import Deadline
+from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
+
+from .sockets import close_all, configure, log, monitor_events, wrap
+from .wire import ACK, BYE, HELLO, Hello, decode_delivery, header_limit, payload_tensor
+
+__all__ = ["ZmqReceiver"]
+
+_MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+#: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
+_BYE_LINGER_MS = 500
+
+
+class ZmqReceiver(ReceiverEndpoint):
+    def __init__(self, options: dict, ctx: ReceiverContext) -> None:
+        self._options = options
+        self._worker = ctx.worker_idx
+        self._nbytes = ctx.layout.nbytes
+        self._max_header = header_limit(ctx.layout)
+        self._hello = Hello(ctx.worker_idx, ctx.model_id, ctx.layout.digest, ctx.layout.nbytes).encode()
+        self._context: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._connected = False
+
+    def open(self, deadline: Deadline) -> None:
+        opts = self._options
+        self._context = zmq.Context()
+        sock = self._sock = self._context.socket(zmq.DEALER)
+        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=2)
+        if opts["curve_server_key"]:
+            sock.curve_serverkey = opts["curve_server_key"].encode()
+            if opts["curve_client_key"]:
+                public, secret = opts["curve_client_key"].encode(), opts["curve_client_secret"].encode()
+            else:
+                public, secret = zmq.curve_keypair()
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+        self._monitor = sock.get_monitor_socket(_MONITORED)
+        try:
+            sock.connect(opts["address"])
+        except zmq.ZMQError as exc:
+            raise wrap(exc, f"worker {self._worker} connecting to {opts['address']}") from exc
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        while True:
+            self._read_monitor()
+            delivery = self._read()
+            if delivery is not None or deadline.expired():
+                return delivery
+            self._poller.poll(max(1, math.ceil(deadline.slice(1.0) * 1000)))
+
+    def _read_monitor(self) -> None:
+        for event in monitor_events(self._monitor):
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+                self._send([HELLO, self._hello], "hello")
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+            else:
+                curve = " (is curve_server_key the sender's public key, and is this worker's key allowed?)" \
+                    if self._options["curve_server_key"] else ""
+                raise TransportError(f"worker {self._worker}: the sender at {self._options['address']} refused "
+                                     f"the connection: {zmq.Event(kind).name}{curve}")
+
+    def _read(self) -> Delivery | None:
+        sock = self._sock
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        frames = [first]
+        extra = 0
+        more = first.more
+        while more:
+            part = sock.recv(copy=False)
+            more = part.more
+            if len(frames) < 3:
+                frames.append(part)
+            else:
+                extra += 1
+        header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
+        return Delivery(header, payload_tensor(payload))
+
+    def ack(self, data: bytes) -> None:
+        self._send([ACK, data], "ack")
+
+    def _send(self, parts: list[bytes], what: str) -> None:
+        try:
+            self._sock.send_multipart(parts, zmq.NOBLOCK)
+        except zmq.Again:
+            raise TransportError(f"worker {self._worker} could not queue its {what}: the sender is not "
+                                 f"reading (send queue full)") from None
+        except zmq.ZMQError as exc:
+            raise wrap(exc, f"worker {self._worker} sending its {what}") from exc
+
+    def close(self) -> None:
+        sock, monitor, context = self._sock, self._monitor, self._context
+        self._sock = self._monitor = self._context = None
+        if context is None:
+            return
+        try:
+            self._read_monitor_quietly(monitor)
+            if self._connected:
+                sock.send(BYE, zmq.NOBLOCK)
+                sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+        except zmq.ZMQError as exc:
+            log.debug("worker %d could not say goodbye: %s", self._worker, exc)
+        sock.disable_monitor()
+        if not sock.closed and self._connected:
+            sock.close(linger=_BYE_LINGER_MS)
+        close_all(context, monitor, sock)
+
+    def _read_monitor_quietly(self, monitor: zmq.Socket) -> None:
+        for event in monitor_events(monitor):
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected = False

@@ -1,0 +1,272 @@
+"""The trainer's side: one ROUTER socket; the snapshot goes out as a zero-copy frame to each worker.
+
+Workers are known by their hello, not by their socket identity: the newest hello for a worker
+wins, and only that connection's acks count. Each worker has at most one delivery in flight;
+a newer one waits (replacing any older waiting one) until the socket has sent the first, so a
+slow or silent worker holds at most one buffer and costs the others nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+import zmq.auth.thread
+from wsync_core import TransportError
+from wsync_core.deadline import Deadline
+from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
+
+from .sockets import close_all, configure, log, monitor_events, wrap
+from .wire import ACK, BYE, DATA, HELLO, MAX_PEER_FRAME, decode_peer
+
+__all__ = ["ZmqSender"]
+
+#: messages read from peers per poll at most (so a flood cannot starve the caller)
+_MAX_READS = 1000
+_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@dataclass
+class _Slot:
+    tensor: torch.Tensor
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def sending(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return bool(self.trackers)
+
+
+@dataclass
+class _Peer:
+    rid: bytes
+    fd: int
+    fits: bool  # the worker's schema has the sender's digest: send it the payload
+
+
+class _AllowList:
+    """ZAP callback: accepts the listed CURVE client keys, logs every refusal."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = {k.encode() for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        log.warning("zmq sender refused a peer: CURVE client key %s is not in curve_allowed_clients",
+                    key.decode(errors="replace"))
+        return False
+
+
+class ZmqSender(SenderEndpoint):
+    def __init__(self, options: dict, ctx: SenderContext) -> None:
+        self._options = options
+        self._num_workers = ctx.num_workers
+        self._nbytes = ctx.layout.nbytes
+        self._digest = ctx.layout.digest
+        self._context: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._poller = zmq.Poller()
+        self._slots: list[_Slot] = []
+        self._latest: torch.Tensor | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._workers: dict[bytes, int] = {}  # routing id -> worker
+        self._inflight: dict[int, zmq.MessageTracker] = {}
+        self._waiting: dict[int, tuple[torch.Tensor, bytes]] = {}
+        self._events: list[Event] = []
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint actually bound (after ``open``)."""
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def open(self, deadline: Deadline) -> None:
+        opts = self._options
+        self._context = zmq.Context()
+        sock = self._sock = self._context.socket(zmq.ROUTER)
+        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if opts["curve_server_key"]:
+            sock.curve_server = True
+            sock.curve_secretkey = opts["curve_server_secret"].encode()
+            if opts["curve_allowed_clients"] is not None:
+                self._auth = zmq.auth.thread.ThreadAuthenticator(self._context, log=log.getChild("zap"))
+                self._auth.start()
+                self._auth.configure_curve_callback("*", _AllowList(opts["curve_allowed_clients"]))
+        self._monitor = sock.get_monitor_socket(_MONITORED)
+        where = opts["bind"] or opts["address"]
+        try:
+            sock.bind(where)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"zmq sender cannot bind {where}: {exc}; is another sender using this "
+                                 f"address? pass address='tcp://HOST:PORT' with a free port") from exc
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    # -- buffers ------------------------------------------------------------------------------
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        busy = {id(buf) for buf, _ in self._waiting.values()}
+        if self._latest is not None:
+            busy.add(id(self._latest))
+        free = [s for s in self._slots if id(s.tensor) not in busy and not s.sending()]
+        if free:
+            for extra in free[1:]:  # keep one spare; the rest were only needed while peers lagged
+                self._slots.remove(extra)
+            return free[0].tensor
+        slot = _Slot(torch.empty(self._nbytes, dtype=torch.uint8))
+        self._slots.append(slot)
+        return slot.tensor
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self._latest = buffer
+        if not any(s.tensor is buffer for s in self._slots):
+            self._slots.append(_Slot(buffer))
+        for w in workers:
+            if w not in self._peers:
+                log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
+                continue
+            tracker = self._inflight.get(w)
+            if tracker is not None and not tracker.done:
+                self._waiting[w] = (buffer, header)
+            else:
+                self._send(w, buffer, header)
+
+    def _send(self, w: int, buffer: torch.Tensor, header: bytes) -> None:
+        peer = self._peers[w]
+        sock = self._sock
+        try:
+            sock.send(peer.rid, zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.Again:
+            self._waiting[w] = (buffer, header)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._drop(w, "its connection is gone")
+                return
+            raise wrap(exc, f"sending to worker {w}") from exc
+        sock.send(DATA, zmq.SNDMORE)
+        sock.send(header, zmq.SNDMORE)
+        if peer.fits:
+            frame = zmq.Frame(buffer.numpy(), copy=False, track=True)
+        else:  # the worker's schema differs: the header alone lets its core name the mismatch
+            frame = zmq.Frame(b"", copy=False, track=True)
+        tracker = sock.send(frame, copy=False, track=True)
+        del frame  # the frame's own reference would keep its tracker pending
+        self._inflight[w] = tracker
+        for slot in self._slots:
+            if slot.tensor is buffer:
+                slot.trackers.append(tracker)
+
+    # -- events -------------------------------------------------------------------------------
+    def poll(self, deadline: Deadline) -> list[Event]:
+        events = self._drain()
+        while not events and not deadline.expired():
+            self._poller.poll(int(deadline.slice(0.02 if self._waiting else 1.0) * 1000))
+            events = self._drain()
+        return events
+
+    def _drain(self) -> list[Event]:
+        for w, (buffer, header) in list(self._waiting.items()):
+            tracker = self._inflight.get(w)
+            if tracker is None or tracker.done:
+                del self._waiting[w]
+                self._send(w, buffer, header)
+        self._read_monitor()  # before peers: a connection's end is reported before a new hello
+        self._read_peers()
+        events, self._events = self._events, []
+        return events
+
+    def _read_monitor(self) -> None:
+        for event in monitor_events(self._monitor):
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                for w, peer in list(self._peers.items()):
+                    if peer.fd == event["value"]:
+                        self._drop(w, "its connection closed (peer exit, or no heartbeat within "
+                                      f"{self._options['heartbeat']:g} s)")
+            else:
+                log.warning("zmq sender refused a peer on %s: handshake failed (%s, errno %s)",
+                            event["endpoint"].decode(errors="replace"), zmq.Event(kind).name, event["value"])
+
+    def _read_peers(self) -> None:
+        sock = self._sock
+        for _ in range(_MAX_READS):
+            try:
+                rid_frame = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            rid, fd = rid_frame.bytes, rid_frame.get(zmq.SRCFD)
+            frames: list[bytes] = []
+            extra = 0
+            more = rid_frame.more
+            while more:
+                part = sock.recv(copy=False)
+                more = part.more
+                if len(frames) < 3:
+                    frames.append(part.bytes)
+                else:
+                    extra += 1
+            try:
+                msg = decode_peer(frames, extra)
+            except TransportError as exc:
+                log.warning("zmq sender ignored a message from peer %s: %s", rid.hex(), exc)
+                continue
+            self._handle(rid, fd, msg)
+
+    def _handle(self, rid: bytes, fd: int, msg) -> None:
+        if msg.kind == HELLO:
+            hello = msg.hello
+            w = hello.worker
+            if not w < self._num_workers:
+                log.warning("zmq sender ignored a hello from peer %s claiming worker %d (num_workers=%d)",
+                            rid.hex(), w, self._num_workers)
+                return
+            old = self._peers.get(w)
+            if old is not None and old.rid != rid:
+                log.warning("zmq sender: worker %d announced itself from a new connection; the old one is "
+                            "dropped", w)
+                self._workers.pop(old.rid, None)
+            stale = self._workers.get(rid)
+            if stale is not None and stale != w:
+                self._drop(stale, f"its connection now claims worker {w}")
+            self._inflight.pop(w, None)
+            self._waiting.pop(w, None)
+            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes)
+            self._workers[rid] = w
+            self._events.append(Joined(w))
+            return
+        w = self._workers.get(rid)
+        if w is None:
+            log.warning("zmq sender ignored %s from peer %s, which has not said hello",
+                        "an ack" if msg.kind == ACK else "a goodbye", rid.hex())
+        elif msg.kind == ACK:
+            self._events.append(Acked(w, msg.data))
+        elif msg.kind == BYE:
+            self._drop(w, "receiver shut down")
+
+    def _drop(self, w: int, reason: str) -> None:
+        peer = self._peers.pop(w, None)
+        if peer is not None:
+            self._workers.pop(peer.rid, None)
+        self._inflight.pop(w, None)
+        self._waiting.pop(w, None)
+        self._events.append(Left(w, reason))
+
+    def close(self) -> None:
+        sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
+        self._sock = self._monitor = self._context = self._auth = None
+        if context is None:
+            return
+        if monitor is not None:
+            sock.disable_monitor()
+        if auth is not None:
+            auth.stop()
+        close_all(context, monitor, sock)
+        self._slots.clear()
+        self._latest = None
+        self._waiting.clear()
+        self._inflight.clear()

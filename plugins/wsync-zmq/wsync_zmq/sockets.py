@@ -1,0 +1,58 @@
+"""What both endpoints do to their sockets: heartbeats, size bounds, CURVE, and a clean close."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import zmq
+import zmq.utils.garbage
+from wsync_core import TransportError
+
+__all__ = ["log", "configure", "monitor_events", "close_all", "wrap"]
+
+log = logging.getLogger("wsync.zmq")
+
+
+def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int) -> None:
+    """Set linger, heartbeats (a silent peer's connection is closed) and the largest frame accepted."""
+    timeout_ms = max(100, int(math.ceil(options["heartbeat"] * 1000)))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, max(50, timeout_ms // 4)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500) // 100 * 100)
+
+
+def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
+    """Every socket-monitor event waiting on ``monitor``, without blocking."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    events = []
+    while monitor.poll(0):
+        events.append(recv_monitor_message(monitor))
+    return events
+
+
+def wrap(exc: zmq.ZMQError, what: str) -> TransportError:
+    """A TransportError saying what failed, for a native zmq error."""
+    return TransportError(f"zmq transport: {what} failed: {exc} (errno {exc.errno})")
+
+
+def close_all(context: zmq.Context | None, *sockets: zmq.Socket | None) -> None:
+    """Close ``sockets`` (dropping unsent messages) and end ``context``; then, if no zero-copy
+    frame is still held anywhere in this process, stop pyzmq's garbage-collector thread."""
+    for sock in sockets:
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)
+    if context is not None:
+        context.term()
+    gc = zmq.utils.garbage.gc
+    end = time.monotonic() + 1.0
+    while gc.refs and time.monotonic() < end:  # frees of dropped frames reach the gc thread asynchronously
+        time.sleep(0.005)
+    if not gc.refs:
+        gc.stop()

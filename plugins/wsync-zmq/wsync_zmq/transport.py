@@ -1,0 +1,138 @@
+"""``ZmqTransport``: the options of the ``zmq`` transport, checked once, and its two endpoints.
+
+The sender binds one ROUTER socket; each receiver connects a DEALER to ``address``. Receivers
+on other hosts build their own scheme with the same options. Without ``address`` a free port on
+127.0.0.1 is chosen when the transport is built, and the pickled scheme carries it.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from wsync_core.transport import (
+    Capabilities,
+    ReceiverContext,
+    ReceiverEndpoint,
+    SenderContext,
+    SenderEndpoint,
+    Transport,
+)
+
+__all__ = ["ZmqTransport"]
+
+_TCP = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})$")
+_WILDCARDS = {"*", "0.0.0.0", "[::]", "[*]"}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"zmq option {option} must be a string like 'tcp://127.0.0.1:5555', got {value!r}")
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    m = _TCP.match(value)
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise ValueError(f"zmq option {option} must be 'tcp://HOST:PORT' with an explicit port (or 'ipc://PATH'), "
+                         f"got {value!r}")
+    if m["host"] in _WILDCARDS and not wildcard:
+        raise ValueError(f"zmq option {option}={value!r} names every interface, which receivers cannot connect "
+                         f"to; give the sender's address here and bind wider with bind='{value}'")
+    return value
+
+
+def _check_key(value: Any, option: str) -> str:
+    key = value.decode("ascii") if isinstance(value, bytes) else value
+    if not isinstance(key, str) or len(key) != 40:
+        raise ValueError(f"zmq option {option} must be a 40-character Z85 CURVE key "
+                         f"(from zmq.curve_keypair()), got {value!r:.50}")
+    try:
+        zmq.utils.z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"zmq option {option} is not a valid Z85 key: {exc}") from None
+    return key
+
+
+class ZmqTransport(Transport):
+    """Weights over ZeroMQ: one sender ROUTER, one DEALER per receiver, zero-copy payload frames.
+
+    Options: ``address`` (where receivers connect, default ``tcp://127.0.0.1:<free port>``),
+    ``bind`` (what the sender binds, default ``address``; e.g. ``tcp://0.0.0.0:5555``),
+    ``checksum`` (CRC32 of every payload, default True), ``heartbeat`` (seconds without traffic
+    before a peer counts as gone, default 10), and CURVE: ``curve_server_key`` (the sender's
+    public key; setting it requires CURVE on both sides), ``curve_server_secret`` (sender only),
+    ``curve_client_key``/``curve_client_secret`` (a receiver's pair; default a fresh one) and
+    ``curve_allowed_clients`` (public keys the sender accepts; default any holder of the server key).
+    """
+
+    name = "zmq"
+    capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
+                                subset_send=True, late_join=True, auth=True)
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        bind: str | None = None,
+        checksum: bool = True,
+        heartbeat: float = 10.0,
+        curve_server_key: str | None = None,
+        curve_server_secret: str | None = None,
+        curve_client_key: str | None = None,
+        curve_client_secret: str | None = None,
+        curve_allowed_clients: Sequence[str] | None = None,
+    ) -> None:
+        address = f"tcp://127.0.0.1:{_free_port()}" if address is None else _check_endpoint(address, "address", False)
+        if bind is not None:
+            bind = _check_endpoint(bind, "bind", True)
+        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.1 <= heartbeat <= 3600:
+            raise ValueError(f"zmq option heartbeat must be seconds in [0.1, 3600], got {heartbeat!r}")
+        keys = {"curve_server_secret": curve_server_secret, "curve_client_key": curve_client_key,
+                "curve_client_secret": curve_client_secret}
+        if curve_server_key is None and (any(v is not None for v in keys.values()) or curve_allowed_clients):
+            raise ValueError("zmq CURVE options need curve_server_key (the sender's public key) on both sides")
+        if curve_server_key is not None:
+            curve_server_key = _check_key(curve_server_key, "curve_server_key")
+            keys = {k: None if v is None else _check_key(v, k) for k, v in keys.items()}
+            curve_server_secret, curve_client_key, curve_client_secret = keys.values()
+            if curve_server_secret is not None and \
+                    zmq.curve_public(curve_server_secret.encode()).decode() != curve_server_key:
+                raise ValueError("zmq option curve_server_secret does not match curve_server_key")
+            if (curve_client_key is None) != (curve_client_secret is None):
+                raise ValueError("zmq options curve_client_key and curve_client_secret go together")
+            if curve_client_secret is not None and \
+                    zmq.curve_public(curve_client_secret.encode()).decode() != curve_client_key:
+                raise ValueError("zmq option curve_client_secret does not match curve_client_key")
+            if curve_allowed_clients is not None:
+                if isinstance(curve_allowed_clients, (str, bytes)):
+                    raise TypeError("zmq option curve_allowed_clients must be a list of public keys, not one key")
+                curve_allowed_clients = [_check_key(k, "curve_allowed_clients") for k in curve_allowed_clients]
+        super().__init__(address=address, bind=bind, checksum=bool(checksum), heartbeat=float(heartbeat),
+                         curve_server_key=curve_server_key, curve_server_secret=curve_server_secret,
+                         curve_client_key=curve_client_key, curve_client_secret=curve_client_secret,
+                         curve_allowed_clients=curve_allowed_clients)
+
+    @property
+    def checksum(self) -> bool:
+        return bool(self.options.get("checksum", True))
+
+    def sender(self, ctx: SenderContext) -> SenderEndpoint:
+        if self.options["curve_server_key"] and not self.options["curve_server_secret"]:
+            raise ValueError("the zmq sender needs curve_server_secret when curve_server_key is set")
+        from .sender import ZmqSender
+
+        return ZmqSender(self.options, ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
+        from .receiver import ZmqReceiver
+
+        return ZmqReceiver(self.options, ctx)
+
