@@ -1,0 +1,161 @@
+"""The zmq transport with real sockets and real worker processes: sync, late join, restart, timeouts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+
+from wsync_core import SchemaMismatchError, WeightSyncScheme, WorkerTimeoutError, list_transports
+from wsync_zmq import ZmqTransport
+from zmq_helpers import digest, make_model
+
+
+def bump(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+
+
+@pytest.fixture
+def sender():
+    made: list[WeightSyncScheme] = []
+
+    def build(num_workers: int = 2, model=None, **kw) -> WeightSyncScheme:
+        kw.setdefault("timeout", 60.0)
+        scheme = WeightSyncScheme("zmq", **kw)
+        scheme.init_on_sender(model=make_model(0) if model is None else model, num_workers=num_workers)
+        made.append(scheme)
+        return scheme
+
+    yield build
+    for scheme in made:
+        scheme.shutdown()
+
+
+def test_registered_with_capabilities():
+    info = {i.name: i for i in list_transports()}["zmq"]
+    assert info.error is None and info.distribution == "wsync-zmq"
+    assert {"multi_host", "auth", "late_join", "subset_send"} <= set(info.capabilities)
+
+
+def test_options_are_checked_and_loopback_is_the_default():
+    t = ZmqTransport()
+    assert t.options["address"].startswith("tcp://127.0.0.1:") and t.checksum
+    assert pickle.loads(pickle.dumps(t)).options == t.options
+    with pytest.raises(ValueError, match="bind="):
+        ZmqTransport(address="tcp://0.0.0.0:5555")
+    with pytest.raises(ValueError, match="explicit port"):
+        ZmqTransport(address="tcp://127.0.0.1:*")
+    assert ZmqTransport(address="tcp://10.1.2.3:5555", bind="tcp://0.0.0.0:5555").options["bind"]
+    with pytest.raises(ValueError, match="Z85"):
+        ZmqTransport(curve_server_key="short")
+    with pytest.raises(ValueError, match="curve_server_key"):
+        ZmqTransport(curve_allowed_clients=["x" * 40])
+
+
+def test_processes_sync_late_join_restart_and_a_dead_worker(sender, spawn):
+    model = make_model(0)
+    scheme = sender(2, model)
+    options = scheme.transport.options
+    w0 = spawn(0, options)
+    scheme_blob = pickle.dumps(scheme)  # pickled after init: configuration only, same address
+    assert pickle.loads(scheme_blob).transport.options["address"] == options["address"]
+    w1 = spawn(1, options)
+    scheme.connect()
+    for w in (w0, w1):
+        assert w.wait_version(0)["digest"] == digest(model)
+    for v in (1, 2):
+        bump(model)
+        assert scheme.send() == v
+        for w in (w0, w1):
+            assert w.wait_version(v)["digest"] == digest(model)
+
+    w1.kill()  # a worker dies: the next send costs only the timeout, and worker 0 is updated
+    bump(model)
+    with pytest.raises(WorkerTimeoutError) as info:
+        scheme.send(timeout=3.0)
+    assert info.value.workers == [1]
+    assert w0.wait_version(3)["digest"] == digest(model)
+
+    w1 = spawn(1, options)  # restarted: it gets the latest version at connect
+    assert w1.wait_version(3)["digest"] == digest(model)
+    bump(model)
+    assert scheme.send() == 4
+    for w in (w0, w1):
+        assert w.wait_version(4)["digest"] == digest(model)
+    assert scheme.send(worker_ids=[0]) == 5
+    assert w0.wait_version(5)
+    assert w0.errors() == [] and w1.errors() == []
+
+
+def test_independent_receiver_builds_its_own_scheme(sender):
+    model = make_model(0)
+    scheme = sender(1, model, timeout=30.0)
+    address = scheme.transport.options["address"]
+    local = make_model(7)
+    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)  # not unpickled: same options only
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        assert digest(local) == digest(model)
+        bump(model)
+        handle = scheme.send_async()
+        assert receiver.receive(timeout=30.0) == 1
+        assert handle.wait() == 1 and digest(local) == digest(model)
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+
+
+def test_schema_mismatch_is_reported_without_sending_the_payload(sender):
+    scheme = sender(1, make_model(0, width=8), timeout=20.0)
+    wrong = make_model(1, width=5)
+    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=20.0)
+    receiver.init_on_receiver(model=wrong, worker_idx=0)
+    before = digest(wrong)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            receiver.connect()
+        except SchemaMismatchError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        with pytest.raises(SchemaMismatchError):
+            scheme.connect()
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+    assert errors and "0.weight" in str(errors[0]) and digest(wrong) == before
+
+
+def test_shutdown_leaves_no_thread_or_descriptor(sender):
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    threads, before = set(threading.enumerate()), fds()
+    model = make_model(0)
+    scheme = sender(1, model, timeout=30.0)
+    receiver = pickle.loads(pickle.dumps(scheme))
+    receiver.init_on_receiver(model=make_model(1), worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    scheme.connect()
+    thread.join(30)
+    bump(model)
+    scheme.send_async()
+    assert receiver.receive(timeout=30.0) == 1
+    receiver.shutdown()
+    scheme.shutdown()
+    assert set(threading.enumerate()) <= threads
+    assert fds() == before
