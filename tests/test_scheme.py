@@ -420,3 +420,21 @@ def test_safe_garbage_header_is_refused(cluster):
     with pytest.raises(TransportError, match="header"):
         r.scheme.receive(timeout=1)
     assert same(r.model, before) and r.scheme.version == 0
+
+
+# -- observability -------------------------------------------------------------------------------
+def test_reports_reach_listeners(cluster):
+    c = cluster(n=2)
+    seen = []
+    c.sender.add_report_listener(seen.append)
+    bump(c.model)
+    v = c.sender.send()
+    wait_for(lambda: seen)
+    report = seen[-1]
+    assert report.version == v and report.complete and report.missing == []
+    assert report.nbytes == c.sender.last_report.nbytes > 0
+    assert set(report.ack_latency) == {0, 1} and report.throughput > 0
+    c.receivers[0].pause()
+    with pytest.raises(WorkerTimeoutError):
+        c.sender.send(timeout=0.3)
+    assert seen[-1].missing == [0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ __all__ = ["Entry", "Layout", "ALIGN", "DTYPES"]
 
 #: Every tensor starts at a multiple of this many bytes (enough for any dtype and for SIMD copies).
 ALIGN = 64
+#: how many buffers' views a layout remembers
+_VIEW_CACHE = 4
 
 #: The dtypes a payload may carry, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -65,10 +68,13 @@ class Entry:
 class Layout:
     """An immutable, sorted table of entries; ``nbytes`` is the size of the flat buffer."""
 
-    __slots__ = ("entries", "nbytes", "digest", "_by_key")
+    __slots__ = ("entries", "nbytes", "digest", "_by_key", "_filled", "_views")
 
     def __init__(self, entries: list[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
+        self._filled = tuple(e for e in self.entries if e.nbytes)
+        #: views of recently used buffers, by (address, device): slots and staging buffers repeat
+        self._views: OrderedDict[tuple[int, str], list[torch.Tensor]] = OrderedDict()
         self.nbytes: int = _align(max((e.offset + e.nbytes for e in entries), default=0))
         self._by_key = {e.key: e for e in entries}
         self.digest: str = hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
@@ -183,17 +189,27 @@ class Layout:
     # -- moving bytes ------------------------------------------------------------------------
     def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read."""
-        with torch.no_grad():
-            for e in self.entries:
-                if e.nbytes:
-                    self.view(buffer, e).copy_(tensors[e.key])
+        _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
 
     def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
         """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
-        with torch.no_grad():
-            for e in self.entries:
-                if e.nbytes:
-                    targets[e.key].copy_(self.view(buffer, e))
+        _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
+
+    def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        key = (buffer.data_ptr(), str(buffer.device))
+        views = self._views.get(key)
+        if views is None or (views and views[0].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
+            views = [self.view(buffer, e) for e in self._filled]
+            self._views[key] = views
+            while len(self._views) > _VIEW_CACHE:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
+        return views
+
+    def drop_views(self) -> None:
+        """Forget cached views, so the buffers they point into can be freed or unmapped."""
+        self._views.clear()
 
     @staticmethod
     def view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
@@ -203,6 +219,22 @@ class Layout:
     def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every entry as a view of ``buffer``, by key."""
         return {e.key: self.view(buffer, e) for e in self.entries}
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for each pair, in one fused call where every tensor shares a device."""
+    if not dsts:
+        return
+    with torch.no_grad():
+        device = dsts[0].device
+        if _FOREACH_COPY is not None and all(t.device == device for t in dsts) and all(t.device == device for t in srcs):
+            _FOREACH_COPY(dsts, srcs)
+        else:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _clip(keys: list[str], n: int = 8) -> str:

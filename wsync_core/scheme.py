@@ -411,9 +411,12 @@ class WeightSyncScheme:
                 self._rejected[w] = ack
                 return
             if ack.version > self._acked[w]:
-                self._acked[w] = ack.version
+                previous, self._acked[w] = self._acked[w], ack.version
                 now = time.perf_counter()
-                for version, (report, t0) in self._pending.items():
+                for version in reversed(self._pending):  # newest first: older ones were done by `previous`
+                    if version <= previous:
+                        break
+                    report, t0 = self._pending[version]
                     if version <= ack.version and w in report.targets and w not in report.ack_latency:
                         report.ack_latency[w] = now - t0
                         if report.complete:
@@ -595,6 +598,8 @@ class WeightSyncScheme:
         if self._service is not None and self._service is not threading.current_thread():
             self._service.join()
         with self._lock:
+            if self._layout is not None:
+                self._layout.drop_views()
             if self._finalizer is not None:
                 self._finalizer()
             elif self._unopened is not None:
