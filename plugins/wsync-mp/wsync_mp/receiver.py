@@ -1,0 +1,263 @@
+"""A worker's side of ``mp``: connect, authenticate, then a reader thread that keeps the newest notification.
+
+The reader releases a notification as soon as a newer one arrives, so a worker that calls
+``receive`` rarely still pins at most two of the sender's slots. Payloads are read-only maps
+of the sender's sealed slots; the core copies them into the model (the worker's own copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+
+import torch
+from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
+
+from .wire import (FLAG_FD, MAX_FDS, MAX_SLOTS, NONCE_BYTES, PREFIX, Frame, FrameReader, Kind, encode, mac,
+                   make_socket, map_slot, sockaddr)
+
+__all__ = ["MpReceiver"]
+
+log = logging.getLogger("wsync.mp")
+
+_READ_CHUNK = 256 * 1024
+#: how long an ack or release may wait for room in the socket before the connection counts as dead
+_SEND_TIMEOUT = 30.0
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+_live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
+
+
+class MpReceiver(ReceiverEndpoint):
+    def __init__(self, address: str, authkey: bytes, ctx: ReceiverContext) -> None:
+        self.address = address
+        self.authkey = authkey
+        self.worker = ctx.worker_idx
+        self.nbytes = ctx.layout.nbytes
+        self.peer = f"the mp sender at {address!r}"
+        self.sock: socket.socket | None = None
+        self.send_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.maps: dict[int, tuple | None] = {}    # slot -> (mmap, tensor), None if its size is not ours
+        self.fds: deque[int] = deque()
+        self.newest: tuple[int, bytes] | None = None
+        self.ended: str | None = None   # why the connection ended
+        self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
+        self.closing = False
+
+    # -- ReceiverEndpoint --------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        self.sock = self._connect(deadline)
+        _live.add(self)
+        try:
+            self._handshake(deadline)
+        except socket.timeout:
+            raise WorkerTimeoutError(f"worker {self.worker}: {self.peer} did not finish the handshake "
+                                     f"within {deadline.timeout:g} s", []) from None
+        except OSError as exc:
+            raise TransportError(f"worker {self.worker}: handshake with {self.peer} failed: {exc}") from None
+        self.sock.settimeout(None)
+        self.thread = threading.Thread(target=self._run, name=f"wsync-mp-receiver {self.worker}", daemon=True)
+        self.thread.start()
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        with self.cond:
+            while self.newest is None and self.ended is None and not deadline.expired():
+                self.cond.wait(deadline.slice(1.0))
+            if self.newest is None:
+                if self.failed:
+                    raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
+                                         f"version it applied")
+                return None
+            index, header = self.newest
+            self.newest = None
+            mapped = self.maps.get(index)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(index)
+
+        return Delivery(header, _EMPTY if mapped is None else mapped[1], release)
+
+    def ack(self, data: bytes) -> None:
+        self._send(encode(Kind.ACK, data))
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closing:
+                return
+            self.closing = True
+            self.cond.notify_all()
+        _live.discard(self)
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the sender sees Left at once
+            except OSError:
+                pass
+        if self.thread is not None:
+            self.thread.join(10.0)
+        self._release_fds()
+
+    # -- connection set-up --------------------------------------------------------------------
+    def _connect(self, deadline: Deadline) -> socket.socket:
+        addr = sockaddr(self.address)
+        while True:
+            sock = make_socket()
+            try:
+                sock.connect(addr)
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if deadline.expired():
+                    raise WorkerTimeoutError(f"worker {self.worker} could not reach {self.peer} within "
+                                             f"{deadline.timeout:g} s: {exc}", []) from None
+                time.sleep(deadline.slice(0.02))
+            except BaseException:
+                sock.close()
+                raise
+
+    def _handshake(self, deadline: Deadline) -> None:
+        challenge = self._read_frame(Kind.CHALLENGE, deadline)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self.sock.sendall(encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
+                          + encode(Kind.HELLO, arg=self.worker))
+        proof = self._read_frame(Kind.PROOF, deadline)
+        if not secrets.compare_digest(proof.body, mac(self.authkey, b"sender", nonce)):
+            raise TransportError(f"worker {self.worker}: {self.peer} failed authentication (wrong authkey?)")
+
+    def _read_frame(self, kind: Kind, deadline: Deadline) -> Frame:
+        """Exactly one handshake frame (fixed size), read with the deadline."""
+        size = PREFIX.size + NONCE_BYTES
+        data = bytearray()
+        while len(data) < size:
+            self.sock.settimeout(max(deadline.remaining(), 1e-3))
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise TransportError(f"worker {self.worker}: {self.peer} closed the connection during the "
+                                     f"handshake (wrong authkey, or worker index out of range?)")
+            data += chunk
+        frames = list(FrameReader(frozenset({kind}), self.peer).feed(bytes(data)))
+        if len(frames) != 1 or len(frames[0].body) != NONCE_BYTES:
+            raise TransportError(f"worker {self.worker}: {self.peer} sent a malformed {kind.name} frame")
+        return frames[0]
+
+    # -- the reader thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        reader = FrameReader(frozenset({Kind.NOTIFY, Kind.CLOSE}), self.peer)
+        ended, failed = "", False
+        try:
+            while not ended:
+                data, fds, flags, _ = socket.recv_fds(self.sock, _READ_CHUNK, MAX_FDS)
+                self.fds.extend(fds)
+                if flags & socket.MSG_CTRUNC or len(self.fds) > MAX_FDS:
+                    raise TransportError(f"{self.peer} sent more descriptors than it announced")
+                if not data:
+                    ended, failed = (f"{self.peer} closed the connection without a goodbye "
+                                     f"(it exited or was killed)"), True
+                    break
+                for frame in reader.feed(data):
+                    if frame.kind is Kind.CLOSE:
+                        reason = frame.body.decode("utf-8", "replace")
+                        ended, failed = (f"{self.peer} refused this worker: {reason}", True) if reason else \
+                            (f"{self.peer} shut down", False)
+                        break
+                    self._notify(frame)
+        except (OSError, TransportError) as exc:
+            ended, failed = f"connection to {self.peer} failed: {exc}", True
+        if self.closing:
+            return
+        if failed:
+            log.warning("mp worker %d: %s", self.worker, ended)
+        with self.cond:
+            self.ended, self.failed = ended, failed
+            self.cond.notify_all()
+
+    def _notify(self, frame: Frame) -> None:
+        index = frame.arg
+        if index >= MAX_SLOTS:
+            raise TransportError(f"{self.peer} named slot {index}, the limit is {MAX_SLOTS}")
+        if frame.flags & FLAG_FD:
+            if not self.fds:
+                raise TransportError(f"{self.peer} announced a descriptor for slot {index} but sent none")
+            fd = self.fds.popleft()
+            try:
+                if index in self.maps:
+                    raise TransportError(f"{self.peer} sent a second descriptor for slot {index}")
+                self.maps[index] = map_slot(fd, self.nbytes, self.peer)
+            finally:
+                os.close(fd)
+        elif index not in self.maps:
+            raise TransportError(f"{self.peer} named slot {index} without sending its descriptor")
+        with self.cond:
+            older, self.newest = self.newest, (index, frame.body)
+            self.cond.notify_all()
+        if older is not None:
+            self._release(older[0])
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _release(self, index: int) -> None:
+        self._send(encode(Kind.RELEASE, arg=index))
+
+    def _send(self, data: bytes) -> None:
+        """Send a small frame, waiting at most _SEND_TIMEOUT for room; a dead sender is reported by recv."""
+        view = memoryview(data)
+        end = time.monotonic() + _SEND_TIMEOUT
+        with self.send_lock:
+            try:
+                while view:
+                    try:
+                        view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                    except BlockingIOError:
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(f"no room to send for {_SEND_TIMEOUT:g} s") from None
+                        select.select([], [self.sock], [], min(left, 1.0))
+            except OSError as exc:  # the reader sees the same failure and recv reports it
+                log.debug("mp worker %d: send to the sender failed: %s", self.worker, exc)
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _release_fds(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        while self.fds:
+            os.close(self.fds.popleft())
+        maps = [mapped[0] for mapped in self.maps.values() if mapped is not None]
+        self.maps.clear()  # drops this endpoint's views, so only the core's can keep a map alive
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # the core still holds a payload view; the map goes with it
+                pass
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the descriptors, touch nothing else."""
+        self.closing = True
+        self.cond = threading.Condition()
+        self.thread = None
+        if self.sock is not None:
+            self.sock.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _after_fork_in_child() -> None:
+    for receiver in list(_live):
+        receiver._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

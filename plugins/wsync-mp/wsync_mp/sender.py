@@ -1,0 +1,386 @@
+"""The trainer's side of ``mp``: a listening Unix socket and one I/O thread for every connection.
+
+``publish`` only records, per worker, the newest (slot, header) to send and wakes the thread;
+the thread sends notifications without ever blocking on a worker (non-blocking sockets), at
+most ``_OUTSTANDING`` unreleased ones per worker, so a stuck worker pins at most that many
+slots and never slows the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import selectors
+import socket
+import stat
+import threading
+import weakref
+from array import array
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
+
+from .wire import FLAG_FD, NONCE_BYTES, FrameReader, Kind, Slot, encode, mac, make_socket, sockaddr
+
+__all__ = ["MpSender"]
+
+log = logging.getLogger("wsync.mp")
+
+#: notifications a worker may hold unreleased (the newest unread one and the one it applies)
+_OUTSTANDING = 2
+_READ_CHUNK = 256 * 1024
+_live: weakref.WeakSet[MpSender] = weakref.WeakSet()
+
+
+class _Conn:
+    """One accepted connection: its handshake state, worker, output queue and held slots."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader(frozenset({Kind.RESPONSE}), "an unauthenticated peer")
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.worker: int | None = None
+        self.out: deque[tuple[memoryview, list[int]]] = deque()
+        self.has_fd: set[int] = set()        # slots whose descriptor this peer already got
+        self.held: list[int] = []            # slots notified and not yet released, oldest first
+        self.pending: tuple[int, bytes] | None = None  # newest (slot, header) not yet notified
+
+    def push(self, data: bytes, fds: list[int] | None = None) -> None:
+        self.out.append((memoryview(data), fds or []))
+
+
+class MpSender(SenderEndpoint):
+    def __init__(self, address: str, authkey: bytes, ctx: SenderContext, max_slots: int) -> None:
+        self.address = address
+        self.authkey = authkey
+        self.num_workers = ctx.num_workers
+        self.nbytes = ctx.layout.nbytes
+        self.max_slots = max_slots
+        self.slots: list[Slot] = []
+        self.latest: int | None = None
+        self.cond = threading.Condition()
+        self.events: list[Event] = []
+        self.conns: dict[int, _Conn] = {}           # by worker, once it said hello
+        self.listener: socket.socket | None = None
+        self.selector: selectors.BaseSelector | None = None
+        self.wake_r = self.wake_w = -1
+        self.thread: threading.Thread | None = None
+        self.closing = False
+        self.bound_path: str | None = None
+
+    # -- SenderEndpoint ----------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        listener = make_socket()
+        try:
+            self._bind(listener)
+            listener.listen(64)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self.listener = listener
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        _live.add(self)
+        self.thread = threading.Thread(target=self._run, name=f"wsync-mp-sender {self.address}", daemon=True)
+        self.thread.start()
+
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        with self.cond:
+            while True:
+                busy = {s for c in self.conns.values() for s in c.held}
+                busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
+                for slot in self.slots:
+                    if slot.index != self.latest and slot.index not in busy:
+                        return slot.tensor
+                if len(self.slots) < self.max_slots:
+                    self.slots.append(Slot(len(self.slots), self.nbytes))
+                    return self.slots[-1].tensor
+                if deadline.expired():
+                    holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
+                    raise WorkerTimeoutError(
+                        f"mp: all {self.max_slots} payload slots are still being read by workers {holders} "
+                        f"after {deadline.timeout:g} s (raise max_slots, or unblock those workers)", holders)
+                self.cond.wait(deadline.slice(1.0))
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        index = next((s.index for s in self.slots if s.tensor is not None
+                      and s.tensor.data_ptr() == buffer.data_ptr()), None)
+        if index is None:
+            raise TransportError("mp: publish() got a buffer that acquire() did not return")
+        with self.cond:
+            self.latest = index
+            for w in workers:
+                conn = self.conns.get(w)
+                if conn is not None:
+                    conn.pending = (index, header)
+        self._wake()
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        with self.cond:
+            while not (self.events or self.closing or deadline.expired()):
+                self.cond.wait(deadline.slice(1.0))
+            events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closing:
+                return
+            self.closing = True
+            self.cond.notify_all()
+        _live.discard(self)
+        if self.thread is not None:
+            self._wake()
+            self.thread.join(10.0)
+        self._release_fds(goodbye=True)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _bind(self, listener: socket.socket) -> None:
+        addr = sockaddr(self.address)
+        try:
+            listener.bind(addr)
+        except OSError as exc:
+            if isinstance(addr, str) and _stale_socket(addr):
+                os.unlink(addr)
+                listener.bind(addr)
+            else:
+                raise TransportError(f"mp: cannot listen on {self.address!r}: {exc} "
+                                     f"(is another sender using this address?)") from None
+        if isinstance(addr, str):
+            self.bound_path = addr
+            os.chmod(addr, 0o600)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except (BlockingIOError, OSError):  # pipe full (a wake-up is pending anyway) or closed
+            pass
+
+    def _release_fds(self, goodbye: bool) -> None:
+        """Close every socket, descriptor and slot (``goodbye``: tell workers first; else a forked child)."""
+        for conn in list(self.conns.values()) + list(getattr(self, "_handshaking", {}).values()):
+            if goodbye and not conn.out:  # never cut into a half-written frame
+                try:
+                    conn.sock.setblocking(False)
+                    conn.sock.send(encode(Kind.CLOSE))
+                except OSError:
+                    pass
+            conn.sock.close()
+        self.conns.clear()
+        if self.selector is not None:
+            self.selector.close()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            if goodbye and self.bound_path and _stale_socket(self.bound_path, check_alive=False):
+                os.unlink(self.bound_path)
+        for fd in (self.wake_r, self.wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self.wake_r = self.wake_w = -1
+        for slot in self.slots:
+            slot.close()
+        self.slots = []
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        self.cond.notify_all()
+
+    # -- the I/O thread (everything below runs on it, under self.cond for shared state) -------
+    def _run(self) -> None:
+        self._handshaking: dict[int, _Conn] = {}
+        try:
+            while not self.closing:
+                for key, mask in self.selector.select(1.0):
+                    if key.fileobj is self.listener:
+                        self._accept()
+                    elif key.fileobj == self.wake_r:
+                        _drain(self.wake_r)
+                        with self.cond:
+                            for conn in list(self.conns.values()):
+                                self._pump(conn)
+                    else:
+                        conn = key.data
+                        try:
+                            if mask & selectors.EVENT_READ:
+                                self._read(conn)
+                            if mask & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
+                                with self.cond:
+                                    self._flush(conn)
+                        except (OSError, TransportError) as exc:
+                            self._drop(conn, f"{type(exc).__name__}: {exc}")
+        except Exception:  # the loop must never die silently: fail every worker instead
+            log.exception("mp sender I/O thread failed")
+            with self.cond:
+                for w in list(self.conns):
+                    self._emit(Left(w, "the mp sender's I/O thread failed (see the log)"))
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock)
+        self._handshaking[sock.fileno()] = conn
+        conn.push(encode(Kind.CHALLENGE, conn.nonce))
+        self.selector.register(sock, selectors.EVENT_READ, conn)
+        with self.cond:
+            self._flush(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        data = conn.sock.recv(_READ_CHUNK)
+        if not data:
+            who = f"worker {conn.worker}" if conn.worker is not None else "a peer"
+            raise TransportError(f"{who} closed the connection (it exited, was killed or shut down)")
+        for frame in conn.reader.feed(data):
+            if frame.kind is Kind.RESPONSE:
+                if not secrets.compare_digest(frame.body[:NONCE_BYTES], mac(self.authkey, b"receiver", conn.nonce)):
+                    raise TransportError("a peer failed authentication (wrong authkey?)")
+                conn.push(encode(Kind.PROOF, mac(self.authkey, b"sender", frame.body[NONCE_BYTES:])))
+                conn.reader.accept, conn.reader.peer = frozenset({Kind.HELLO}), "an authenticated peer"
+            elif frame.kind is Kind.HELLO:
+                self._hello(conn, frame.arg)
+            elif frame.kind is Kind.RELEASE:
+                with self.cond:
+                    if frame.arg in conn.held:
+                        conn.held.remove(frame.arg)
+                        self.cond.notify_all()
+                    self._pump(conn)
+            elif frame.kind is Kind.ACK:
+                with self.cond:
+                    self._emit(Acked(conn.worker, frame.body))
+        with self.cond:
+            self._flush(conn)
+
+    def _hello(self, conn: _Conn, worker: int) -> None:
+        self._handshaking.pop(conn.sock.fileno(), None)
+        if not 0 <= worker < self.num_workers:
+            conn.push(encode(Kind.CLOSE, f"worker index {worker} is out of range [0, {self.num_workers})".encode()))
+            with self.cond:
+                self._flush(conn)
+            raise TransportError(f"a peer said it is worker {worker}, but num_workers is {self.num_workers}")
+        conn.reader.accept, conn.reader.peer = frozenset({Kind.RELEASE, Kind.ACK}), f"worker {worker}"
+        with self.cond:
+            old = self.conns.pop(worker, None)
+            if old is not None:  # a restarted worker: the new connection wins, quietly
+                old.worker = None
+                self._close_conn(old)
+            conn.worker = worker
+            self.conns[worker] = conn
+            self._emit(Joined(worker))
+
+    def _pump(self, conn: _Conn) -> None:
+        """Queue the newest pending notification for ``conn`` if it holds fewer than _OUTSTANDING."""
+        if conn.pending is None or len(conn.held) >= _OUTSTANDING:
+            return
+        index, header = conn.pending
+        conn.pending = None
+        slot = self.slots[index]
+        if index in conn.has_fd:
+            conn.push(encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes))
+        else:
+            conn.push(encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
+            conn.has_fd.add(index)
+        conn.held.append(index)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """Write what the socket takes now; watch for writability while something is left."""
+        if conn.sock.fileno() < 0:
+            return
+        try:
+            while conn.out:
+                data, fds = conn.out[0]
+                if fds:
+                    n = conn.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", fds))])
+                    fds.clear()
+                else:
+                    n = conn.sock.send(data)
+                if n < len(data):
+                    conn.out[0] = (data[n:], fds)
+                else:
+                    conn.out.popleft()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:  # a dead peer: the read side reports it as EOF or reset
+            log.debug("mp: write to worker %s failed: %s", conn.worker, exc)
+            conn.out.clear()
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        try:
+            if self.selector.get_key(conn.sock).events != want:
+                self.selector.modify(conn.sock, want, conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        self._handshaking.pop(conn.sock.fileno(), None)
+        with self.cond:
+            if conn.worker is not None and self.conns.get(conn.worker) is conn:
+                del self.conns[conn.worker]
+                log.warning("mp: worker %d left: %s", conn.worker, reason)
+                self._emit(Left(conn.worker, reason))
+            else:
+                log.info("mp: dropped a connection: %s", reason)
+            self._close_conn(conn)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        conn.held.clear()
+        conn.pending = None
+        self.cond.notify_all()
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the sender's descriptors, touch nothing else."""
+        self.closing = True
+        self.cond = threading.Condition()
+        self.thread = None
+        self._release_fds(goodbye=False)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _stale_socket(path: str, check_alive: bool = True) -> bool:
+    """True if ``path`` is a Unix socket (and, with ``check_alive``, nobody listens on it)."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    if not check_alive:
+        return True
+    probe = make_socket()
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+def _after_fork_in_child() -> None:
+    for sender in list(_live):
+        sender._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
