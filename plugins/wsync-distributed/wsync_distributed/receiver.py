@@ -1,0 +1,214 @@
+"""A worker's side: a background thread takes part in the sender's broadcasts into the worker's
+own receive buffers (never the model), so the sender never waits for ``receive()``; ``recv``
+hands the newest complete buffer to the core, which applies it in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+
+import torch
+import torch.distributed as dist
+from wsync_core import Deadline, Delivery, ReceiverContext, ReceiverEndpoint, TransportError
+
+from . import wire
+from .transport import Config
+
+__all__ = ["DistributedReceiver"]
+
+log = logging.getLogger("wsync.distributed")
+
+#: seconds between two heartbeats
+HEARTBEAT_S = 0.2
+#: receive buffers kept (one the core holds, one being filled; a third only while the core holds two)
+_POOL = 2
+
+
+class DistributedReceiver(ReceiverEndpoint):
+    def __init__(self, cfg: Config, ctx: ReceiverContext) -> None:
+        self.cfg = cfg
+        self.worker = ctx.worker_idx
+        self.nbytes = ctx.layout.nbytes
+        if cfg.backend == "nccl":
+            if ctx.device.type != "cuda":
+                raise TransportError(f"distributed: backend='nccl' needs a model on CUDA, got {ctx.device}")
+            self.device = ctx.device
+        else:
+            self.device = torch.device("cpu")
+        self.inbox = uuid.uuid4().hex
+        self.cond = threading.Condition()
+        self.pool: list[torch.Tensor] = []
+        self.held: set[int] = set()
+        self.ready: tuple[int | None, bytes] | None = None  # (slot or None for header-only, header)
+        self.error: str | None = None
+        self.bye = False
+        self.closing = False
+        self.stopped = threading.Event()
+        self.store: dist.Store | None = None
+        self.threads: list[threading.Thread] = []
+        self.groups: dict[str, dist.ProcessGroup] = {}
+
+    # -- the core's calls ------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        self.store = wire.connect(self.cfg, deadline)
+        self.store.add(wire.heartbeat_key(self.worker), 1)
+        for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
+            thread = threading.Thread(target=target, args=(wire.clone(self.store),),
+                                      name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes}).encode()
+        self.store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        with self.cond:
+            while self.ready is None:
+                if self.error is not None:
+                    raise TransportError(f"distributed worker {self.worker}: {self.error}")
+                if deadline.expired() or self.bye:
+                    return None
+                self.cond.wait(deadline.slice(1.0))
+            slot, header = self.ready
+            self.ready = None
+            if slot is None:
+                return Delivery(header, torch.empty(0, dtype=torch.uint8))
+            self.held.add(slot)
+            return Delivery(header, self.pool[slot], lambda: self._release(slot))
+
+    def ack(self, data: bytes) -> None:
+        if self.store is None:
+            raise TransportError(f"distributed worker {self.worker}: ack() after close()")
+        try:
+            self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker, bytes(data)))
+        except RuntimeError as exc:
+            raise TransportError(f"distributed worker {self.worker}: cannot reach the sender's store at "
+                                 f"{self.cfg.host}:{self.cfg.port}: {exc}") from exc
+
+    def close(self) -> None:
+        with self.cond:
+            if self.closing:
+                return
+            self.closing = True
+            self.cond.notify_all()
+        self.stopped.set()
+        store = self.store
+        if store is not None:
+            try:
+                store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker, b"receiver shut down"))
+                stop = wire.encode_control(wire.Control(None, (), 0, 1, (), kind="stop"))
+                store.queue_push(wire.inbox_key(self.inbox), stop)
+            except RuntimeError as exc:  # the sender is gone: the threads stop on their own
+                log.debug("distributed worker %d: goodbye failed: %s", self.worker, exc)
+        for thread in self.threads:
+            thread.join(timeout=self.cfg.timeout + 5)
+            if thread.is_alive():
+                log.warning("distributed worker %d: thread %s did not stop", self.worker, thread.name)
+        self.threads.clear()
+        for group in self.groups.values():
+            _abort(group)
+        self.groups.clear()
+        self.pool.clear()
+        self.store = None
+
+    # -- buffers ---------------------------------------------------------------------------
+    def _release(self, slot: int) -> None:
+        with self.cond:
+            self.held.discard(slot)
+            self.cond.notify_all()
+
+    def _slot(self) -> int:
+        """A buffer to fill: free, else new, else the undelivered ready one (dropped: only the newest counts)."""
+        with self.cond:
+            ready = self.ready[0] if self.ready is not None else None
+            for i in range(len(self.pool)):
+                if i not in self.held and i != ready:
+                    return i
+            if len(self.pool) < _POOL or ready is None:
+                self.pool.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
+                return len(self.pool) - 1
+            self.ready = None
+            return ready
+
+    def _deliver(self, slot: int | None, header: bytes) -> None:
+        with self.cond:
+            self.ready = (slot, header)
+            self.cond.notify_all()
+
+    # -- threads ---------------------------------------------------------------------------
+    def _beat(self, store: dist.Store) -> None:
+        key = wire.heartbeat_key(self.worker)
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                store.add(key, 1)
+            except RuntimeError as exc:
+                log.debug("distributed worker %d: heartbeat stopped: %s", self.worker, exc)
+                return
+
+    def _fail(self, message: str) -> None:
+        with self.cond:
+            if not self.closing:
+                self.error = message
+            self.cond.notify_all()
+
+    def _receive(self, store: dist.Store) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        key = wire.inbox_key(self.inbox)
+        while not self.closing:
+            try:
+                raw = store.queue_pop(key, True)
+            except RuntimeError as exc:
+                if isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower():
+                    continue
+                self._fail(f"lost the sender's store at {self.cfg.host}:{self.cfg.port}: {exc}")
+                return
+            try:
+                ctl, header = wire.decode_control(raw)
+            except TransportError as exc:
+                log.warning("distributed worker %d: ignoring a bad control message: %s", self.worker, exc)
+                continue
+            if ctl.kind == "bye":
+                with self.cond:
+                    self.bye = True
+                    self.cond.notify_all()
+                return
+            if ctl.kind == "stop":
+                continue
+            for name in [n for n in self.groups if n not in ctl.live and n != ctl.group]:
+                _abort(self.groups.pop(name))
+            if ctl.group is None or ctl.nbytes != self.nbytes:
+                self._deliver(None, header)  # header only: the core reports the mismatch
+                continue
+            self._take_part(store, ctl, header)
+
+    def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
+        if self.worker not in ctl.members:
+            log.warning("distributed worker %d: group %s does not list this worker", self.worker, ctl.group)
+            return
+        rank = ctl.members.index(self.worker) + 1
+        slot = self._slot()
+        try:
+            group = self.groups.get(ctl.group)
+            if group is None:
+                group = self.groups[ctl.group] = wire.new_group(self.cfg, store, ctl.group, rank,
+                                                                len(ctl.members) + 1)
+            if self.nbytes:
+                works = wire.broadcast(group, self.pool[slot], ctl.bucket)
+                wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing)
+        except (RuntimeError, TransportError) as exc:
+            log.warning("distributed worker %d: broadcast in group %s failed: %s", self.worker, ctl.group, exc)
+            group = self.groups.pop(ctl.group, None)
+            if group is not None:
+                _abort(group)
+            return
+        self._deliver(slot, header)
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    try:
+        group.abort()
+    except RuntimeError as exc:
+        log.debug("distributed: aborting a group: %s", exc)

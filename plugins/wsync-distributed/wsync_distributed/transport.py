@@ -1,0 +1,152 @@
+"""``DistributedTransport``: options, and where they come from (explicit, or a launcher's environment).
+
+The sender (rank 0) hosts a ``TCPStore`` at ``host:port``; receiver ``i`` is rank ``i + 1``.
+Nothing here touches torch.distributed's default process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport
+
+__all__ = ["DistributedTransport", "Config"]
+
+_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved options, as every endpoint of one channel sees them."""
+
+    backend: str
+    host: str
+    port: int
+    world_size: int | None
+    rank: int | None
+    bucket_bytes: int
+    timeout: float
+    heartbeat_timeout: float
+    bind: str
+    prefix: str
+    devices: int
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            raise ValueError(f"distributed: cannot pick a free port on host {host!r} ({exc}); pass port=") from None
+        return s.getsockname()[1]
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address of this machine's interface that routes to ``host`` (loopback for loopback)."""
+    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))  # UDP: no packet is sent, only the route is chosen
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class DistributedTransport(Transport):
+    """Weights over torch.distributed: a private Gloo (CPU) or NCCL (CUDA) group, never the default one.
+
+    Options: ``backend`` ("gloo" | "nccl"), ``host`` and ``port`` of the sender's store (default
+    127.0.0.1 and a free port, or ``MASTER_ADDR`` and ``MASTER_PORT + 1`` under torchrun),
+    ``world_size`` (num_workers + 1) and ``rank`` (sender 0, worker i is i + 1; both checked, and
+    read from ``WORLD_SIZE``/``RANK`` when not given), ``bucket_mb`` (size of each broadcast),
+    ``collective_timeout`` (seconds, for every collective and group set-up; the scheme's own
+    ``timeout`` bounds the calls), ``heartbeat_timeout`` (seconds
+    of silence after which a worker counts as dead), ``bind`` (this process's address for data
+    connections; default: the interface that routes to ``host``), ``devices`` (Gloo connections
+    per peer), ``checksum``.
+    """
+
+    name = "distributed"
+    capabilities = Capabilities(processes=True, multi_host=True, cuda=True, zero_copy=False, async_send=True,
+                                subset_send=True, late_join=True, auth=False)
+
+    def __init__(
+        self,
+        *,
+        backend: str = "gloo",
+        host: str | None = None,
+        port: int | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        bucket_mb: float = 64.0,
+        collective_timeout: float = 60.0,
+        heartbeat_timeout: float = 5.0,
+        bind: str | None = None,
+        prefix: str = "wsync",
+        devices: int = 2,
+        checksum: bool = False,
+    ) -> None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"distributed: backend must be one of {_BACKENDS}, got {backend!r}")
+        launcher = host is None and "MASTER_ADDR" in os.environ
+        if host is None:
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1") if launcher else "127.0.0.1"
+        if port is None:
+            master_port = _env_int("MASTER_PORT") if launcher else None
+            port = master_port + 1 if master_port is not None else _free_port(host)
+        if world_size is None and launcher:
+            world_size = _env_int("WORLD_SIZE")
+        for what, value, low in (("bucket_mb", bucket_mb, 0), ("collective_timeout", collective_timeout, 0),
+                                 ("heartbeat_timeout", heartbeat_timeout, 0)):
+            if not float(value) > low:
+                raise ValueError(f"distributed: {what} must be > {low}, got {value!r}")
+        if not (isinstance(devices, int) and devices >= 1):
+            raise ValueError(f"distributed: devices must be an int >= 1, got {devices!r}")
+        super().__init__(backend=backend, host=str(host), port=int(port), world_size=world_size, rank=rank,
+                         bucket_mb=float(bucket_mb), collective_timeout=float(collective_timeout),
+                         heartbeat_timeout=float(heartbeat_timeout), bind=bind, prefix=str(prefix),
+                         devices=devices, checksum=bool(checksum))
+
+    def config(self) -> Config:
+        """The options resolved for this process (``rank`` from ``RANK`` under a launcher)."""
+        o: dict[str, Any] = self.options
+        rank = o["rank"] if o["rank"] is not None else (_env_int("RANK") if "MASTER_ADDR" in os.environ else None)
+        return Config(
+            backend=o["backend"], host=o["host"], port=o["port"], world_size=o["world_size"], rank=rank,
+            bucket_bytes=max(1, int(o["bucket_mb"] * (1 << 20))), timeout=o["collective_timeout"],
+            heartbeat_timeout=o["heartbeat_timeout"], bind=o["bind"] or _local_address(o["host"], o["port"]),
+            prefix=o["prefix"], devices=o["devices"],
+        )
+
+    def sender(self, ctx: SenderContext):
+        from .sender import DistributedSender
+
+        cfg = self.config()
+        if cfg.rank not in (None, 0):
+            raise ValueError(f"distributed: the sender is rank 0, but rank={cfg.rank} was given")
+        if cfg.world_size is not None and cfg.world_size != ctx.num_workers + 1:
+            raise ValueError(f"distributed: world_size={cfg.world_size} but num_workers={ctx.num_workers}; "
+                             f"world_size must be num_workers + 1 (the sender is rank 0)")
+        return DistributedSender(cfg, ctx)
+
+    def receiver(self, ctx: ReceiverContext):
+        from .receiver import DistributedReceiver
+
+        cfg = self.config()
+        if cfg.rank is not None and cfg.rank != ctx.worker_idx + 1:
+            raise ValueError(f"distributed: worker {ctx.worker_idx} is rank {ctx.worker_idx + 1}, "
+                             f"but rank={cfg.rank} was given")
+        if cfg.world_size is not None and ctx.worker_idx + 1 >= cfg.world_size:
+            raise ValueError(f"distributed: worker_idx {ctx.worker_idx} does not fit world_size={cfg.world_size}")
+        return DistributedReceiver(cfg, ctx)

@@ -1,0 +1,179 @@
+"""What crosses the store (events, control messages) and the process groups (bucketed broadcasts).
+
+Receivers push events (join, ack, leave) onto one store queue the sender pops; the sender pushes
+one control message per delivery onto each receiver's inbox queue. Both are length-checked
+bytes and JSON; nothing is unpickled. Payload bytes travel only through broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from wsync_core import Deadline, TransportError
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+
+from .transport import Config
+
+__all__ = [
+    "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "Control",
+    "inbox_key", "heartbeat_key", "encode_event", "decode_event", "encode_control", "decode_control",
+    "listen", "connect", "clone", "new_group", "broadcast", "wait_works",
+]
+
+EVENTS = "events"
+JOIN, ACK, LEAVE, STOP = b"J", b"A", b"L", b"S"
+MAX_EVENT_BYTES = 5 + MAX_ACK_BYTES
+MAX_CONTROL_BYTES = 4 + 64 * 1024 + MAX_HEADER_BYTES
+#: how long a blocking queue pop waits before it simply tries again
+_POP_TIMEOUT = timedelta(hours=1)
+
+
+def inbox_key(inbox: str) -> str:
+    return f"inbox/{inbox}"
+
+
+def heartbeat_key(worker: int) -> str:
+    return f"hb/{worker}"
+
+
+def encode_event(kind: bytes, worker: int, data: bytes = b"") -> bytes:
+    return kind + struct.pack(">I", worker) + data
+
+
+def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
+    """(kind, worker, data) of an event; raises TransportError if it is malformed or too large."""
+    if not isinstance(raw, bytes) or not 5 <= len(raw) <= MAX_EVENT_BYTES:
+        raise TransportError(f"event of {len(raw) if isinstance(raw, bytes) else '?'} bytes; expected 5 to "
+                             f"{MAX_EVENT_BYTES}")
+    kind = raw[:1]
+    if kind not in (JOIN, ACK, LEAVE, STOP):
+        raise TransportError(f"unknown event kind {kind!r}")
+    return kind, struct.unpack(">I", raw[1:5])[0], raw[5:]
+
+
+@dataclass(frozen=True)
+class Control:
+    """One delivery to one receiver: which group broadcasts it (None: header only), and its size."""
+
+    group: str | None
+    members: tuple[int, ...]
+    nbytes: int
+    bucket: int
+    live: tuple[str, ...]
+    kind: str = "data"  # "data", "stop" (wake up, closing) or "bye" (the sender shut down)
+
+
+def encode_control(ctl: Control, header: bytes = b"") -> bytes:
+    body = json.dumps({"k": ctl.kind, "g": ctl.group, "m": list(ctl.members), "n": ctl.nbytes, "b": ctl.bucket,
+                       "l": list(ctl.live)}, separators=(",", ":")).encode()
+    return struct.pack(">I", len(body)) + body + header
+
+
+def decode_control(raw: bytes) -> tuple[Control, bytes]:
+    """(control, header bytes); raises TransportError naming what is malformed."""
+    if not isinstance(raw, bytes) or not 4 <= len(raw) <= MAX_CONTROL_BYTES:
+        raise TransportError(f"control message of {len(raw) if isinstance(raw, bytes) else '?'} bytes")
+    (n,) = struct.unpack(">I", raw[:4])
+    if n > 64 * 1024 or 4 + n > len(raw):
+        raise TransportError(f"control message claims a {n}-byte body")
+    try:
+        obj: Any = json.loads(raw[4:4 + n])
+        ctl = Control(group=obj["g"], members=tuple(obj["m"]), nbytes=obj["n"], bucket=obj["b"],
+                      live=tuple(obj["l"]), kind=obj["k"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"malformed control message: {exc}") from None
+    ok = (ctl.kind in ("data", "stop", "bye") and (ctl.group is None or isinstance(ctl.group, str))
+          and all(isinstance(m, int) and m >= 0 for m in ctl.members) and isinstance(ctl.nbytes, int)
+          and ctl.nbytes >= 0 and isinstance(ctl.bucket, int) and ctl.bucket > 0
+          and all(isinstance(g, str) for g in ctl.live))
+    if not ok:
+        raise TransportError(f"malformed control message: {raw[4:4 + n][:200]!r}")
+    return ctl, raw[4 + n:]
+
+
+def listen(cfg: Config) -> tuple[dist.Store, socket.socket]:
+    """Host the channel's store on ``cfg.host:cfg.port`` (that address only, not every interface)."""
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+        sock.listen(1024)
+        store = dist.TCPStore(cfg.host, cfg.port, None, True, timedelta(seconds=cfg.timeout),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except (OSError, RuntimeError) as exc:
+        sock.close()
+        raise TransportError(f"distributed: cannot host the store at {cfg.host}:{cfg.port}: {exc}") from exc
+    return dist.PrefixStore(cfg.prefix, store), sock
+
+
+def connect(cfg: Config, deadline: Deadline) -> dist.Store:
+    """A client of the sender's store; retries until ``deadline``, then raises TransportError."""
+    wait = max(deadline.remaining(), 0.05)
+    try:
+        store = dist.TCPStore(cfg.host, cfg.port, None, False, timedelta(seconds=min(wait, 86400.0)))
+    except (RuntimeError, OSError) as exc:
+        raise TransportError(f"distributed: no sender store at {cfg.host}:{cfg.port} within {wait:g} s "
+                             f"(is the sender connecting with the same host and port?): {exc}") from exc
+    store.set_timeout(_POP_TIMEOUT)
+    return dist.PrefixStore(cfg.prefix, store)
+
+
+def clone(store: dist.Store) -> dist.Store:
+    """Another connection to the same store, for one more thread (a store client blocks while it waits)."""
+    other = store.clone()
+    other.set_timeout(_POP_TIMEOUT)
+    return other
+
+
+def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int) -> dist.ProcessGroup:
+    """A private process group ``name`` of ``size`` ranks, rendezvous through ``store``; never the default group."""
+    prefixed = dist.PrefixStore(f"pg/{name}/", store)
+    timeout = timedelta(seconds=cfg.timeout)
+    if cfg.backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=cfg.bind) for _ in range(cfg.devices)]
+        opts._threads = max(2, cfg.devices)
+        return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+
+
+def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, bucket: int) -> list[Any]:
+    """Start broadcasting ``buffer`` from rank 0 in buckets of ``bucket`` bytes; returns the work handles."""
+    works = []
+    for start in range(0, buffer.numel(), bucket):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        works.append(group.broadcast([buffer[start:start + bucket]], opts))
+    return works
+
+
+def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callable[[], bool]) -> None:
+    """Wait for every work; raises TransportError on a failure, at ``deadline`` or once ``stop()``
+    (the group is then unusable)."""
+    pause = 0.0002
+    for work in works:
+        while not work.is_completed():
+            if deadline.expired():
+                raise TransportError(f"{what}: not finished within {deadline.timeout:g} s")
+            if stop():
+                raise TransportError(f"{what}: stopped, the endpoint is closing")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise TransportError(f"{what}: {exc}") from exc
