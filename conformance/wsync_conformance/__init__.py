@@ -1,1 +1,29 @@
-"""wsync-conformance: the suite that proves a transport keeps wsync's guarantees."""
+"""wsync-conformance: the suite that proves a transport keeps wsync's guarantees.
+
+Subclass ``TransportSuite`` (set ``transport`` and ``options``), or run
+``pytest --pyargs wsync_conformance --wsync-transport NAME`` or ``wsync conformance NAME``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+from .guarantees import CAPABILITY_NAMES, GUARANTEES, GuaranteeViolation, guarantee
+
+__all__ = ["__version__", "TransportSuite", "Target", "parse_options", "GUARANTEES", "CAPABILITY_NAMES",
+           "GuaranteeViolation", "guarantee"]
+
+
+def __getattr__(name: str) -> Any:
+    # the suite imports torch: load it on first use, not when pytest loads the plugin
+    if name == "TransportSuite":
+        from .suite import TransportSuite
+
+        return TransportSuite
+    if name in ("Target", "parse_options"):
+        from . import target
+
+        return getattr(target, name)
+    raise AttributeError(f"module 'wsync_conformance' has no attribute {name!r}")

@@ -1,8 +1,46 @@
-"""pytest plugin: adds the --wsync-* options and markers (placeholder until the suite lands)."""
+"""pytest plugin (entry point ``pytest11``): the ``--wsync-*`` options, the ``wsync_guarantee``
+marker and the hypothesis profiles. It changes nothing else in a pytest run."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import profiles
+from .guarantees import GUARANTEES
+
+profiles.register()
 
 
-def pytest_addoption(parser):
-    group = parser.getgroup("wsync", "wsync conformance")
-    group.addoption("--wsync-transport", default="inproc", help="transport name to test")
-    group.addoption("--wsync-device", default="cpu", choices=["cpu", "cuda"], help="device of the models")
-    group.addoption("--wsync-option", action="append", default=[], metavar="KEY=VALUE", help="transport option")
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("wsync", "wsync conformance suite")
+    group.addoption("--wsync-transport", default="inproc", metavar="NAME",
+                    help="transport to test: entry-point name or module:Class (default: inproc)")
+    group.addoption("--wsync-device", default=None, choices=["cpu", "cuda"],
+                    help="device of the models (default: cpu)")
+    group.addoption("--wsync-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="transport option, repeatable; values parse as int, float, bool, None or string")
+    group.addoption("--wsync-timeout", type=float, default=None, metavar="SECONDS",
+                    help="seconds a call that should succeed may take (default: 30)")
+    group.addoption("--wsync-guarantee", action="append", default=[], metavar="NAME",
+                    help=f"only run the tests of these guarantees ({', '.join(GUARANTEES)})")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "wsync_guarantee(*names): the wsync guarantees a conformance test proves")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = set(config.getoption("wsync_guarantee") or [])
+    if not wanted:
+        return
+    unknown = wanted - set(GUARANTEES)
+    if unknown:
+        raise pytest.UsageError(f"--wsync-guarantee: unknown {sorted(unknown)}; known: {', '.join(GUARANTEES)}")
+    keep, drop = [], []
+    for item in items:
+        marks = [m for m in item.iter_markers("wsync_guarantee")]
+        names = {n for m in marks for n in m.args}
+        (keep if not marks or names & wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -1,0 +1,188 @@
+"""The lifecycle as a hypothesis state machine, with real receivers (processes or threads).
+
+Rules: sends (full, subset, async), receives at random moments, silent workers that time
+out, trainer writes that are never sent, pickling, out-of-order calls. After every step:
+the sender's version, each receiver's version and its exact content (the content of the
+version it reports: never a mix, never a write that was not sent). At the end: shutdown,
+and no unpickling happened in any receiver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from wsync_core import StateError, WorkerTimeoutError
+
+from . import profiles
+from .context import Context, Session, classify
+from .guarantees import violated
+from .models import digests, fill_version, version_spec
+from .portable import MAX_PICKLE_BYTES, inspect_pickle
+
+__all__ = ["LifecycleMachine", "run_lifecycle_machine"]
+
+N_WORKERS = 3
+_SUBSETS = [[0], [1], [2], [0, 1], [1, 2], [0, 2]]
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """One sender, three receivers; ``ctx`` and ``pool`` are set by ``run_lifecycle_machine``."""
+
+    ctx: Context
+    pool: list
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Session(self.ctx, version_spec(), self.pool, sync=True)
+        self.label = 0  # what the trainer's model holds now (every tensor filled with it)
+        fill_version(self.s.model, self.label)
+        self.labels: dict[str, int] = {}
+        self.s.connect()
+        self.version = 0
+        self.held = {w: 0 for w in range(N_WORKERS)}  # the version each receiver applied
+        self.published = {w: 0 for w in range(N_WORKERS)}  # the newest version sent to each
+        self.by_version: dict[int, dict[str, str]] = {0: self.s.expected[0]}
+        self.pending: list[Any] = []
+
+    # -- rules ---------------------------------------------------------------------------------
+    @rule()
+    def trainer_writes(self) -> None:
+        """The trainer changes its model and does not send it."""
+        self.label += 1
+        fill_version(self.s.model, self.label)
+
+    def _snapshot(self) -> dict[str, str]:
+        return digests(self.s.model)
+
+    @rule(to=st.one_of(st.none(), st.sampled_from(_SUBSETS)))
+    def send(self, to: list[int] | None) -> None:
+        targets = to
+        if targets is not None and not self.ctx.caps.subset_send:
+            targets = None
+        expected = self._snapshot()
+        with self.s.following() as reports:
+            v = self.s.scheme.send(worker_ids=targets)
+        self._sent(v, expected, targets)
+        for w, r in reports.items():
+            if r.get("errors"):
+                raise AssertionError(f"worker {w} raised while receiving: {r['errors'][0]}")
+            self.held[w] = max([self.held[w], *r.get("applied", [])])
+        self.pending.clear()  # a later ack completes every earlier send
+
+    def _sent(self, v: int, expected: dict[str, str], targets: list[int] | None) -> None:
+        if v != self.version + 1:
+            raise violated("versioned", f"send() returned version {v} after version {self.version}")
+        self.version = v
+        self.by_version[v] = expected
+        for w in targets if targets is not None else range(N_WORKERS):
+            self.published[w] = v
+
+    @precondition(lambda self: self.ctx.caps.async_send)
+    @rule(to=st.one_of(st.none(), st.sampled_from(_SUBSETS)))
+    def send_async(self, to: list[int] | None) -> None:
+        targets = to
+        if targets is not None and not self.ctx.caps.subset_send:
+            targets = None
+        expected = self._snapshot()
+        handle = self.s.scheme.send_async(worker_ids=targets)
+        self._sent(handle.version, expected, targets)
+        self.pending.append(handle)
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def wait_async(self) -> None:
+        with self.s.following() as reports:
+            for handle in self.pending:
+                if handle.wait() != handle.version:
+                    raise violated("versioned", "SendHandle.wait() returned another version")
+        for w, r in reports.items():
+            self.held[w] = max([self.held[w], *r.get("applied", [])])
+        self.pending.clear()
+
+    @rule(worker=st.integers(0, N_WORKERS - 1))
+    def receive(self, worker: int) -> None:
+        """A worker reaches a safe point and calls receive()."""
+        new = self.published[worker] > self.held[worker]
+        reply = self.s.workers[worker].call("receive", timeout=self.ctx.timeout if new else 0.0)
+        if reply.error:
+            raise AssertionError(f"worker {worker} receive() raised {reply.error}: {reply.get('message')}")
+        got = reply.get("result")
+        want = self.published[worker] if new else None
+        if got != want:
+            raise violated("versioned", f"worker {worker} receive() returned {got}, expected {want}")
+        if got is not None:
+            self.held[worker] = got
+
+    @rule(silent=st.integers(0, N_WORKERS - 1))
+    def silent_worker_times_out(self, silent: int) -> None:
+        others = [w for w in range(N_WORKERS) if w != silent]
+        expected = self._snapshot()
+        with self.s.following(others) as reports:
+            try:
+                self.s.scheme.send(timeout=self.ctx.short_timeout)
+            except WorkerTimeoutError as exc:
+                if exc.workers != [silent]:
+                    raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected [{silent}]") from exc
+            else:
+                raise violated("live", f"send() returned although worker {silent} was silent")
+        self._sent(self.version + 1, expected, None)
+        for w, r in reports.items():
+            self.held[w] = max([self.held[w], *r.get("applied", [])])
+        self.pending.clear()
+
+    @rule()
+    def pickle_scheme(self) -> None:
+        report = inspect_pickle(self.s.scheme)
+        if report["pickle_error"] or report["forbidden"] or report["size"] > MAX_PICKLE_BYTES:
+            raise violated("portable", f"pickling a connected sender: {report}")
+
+    @rule()
+    def out_of_order_call(self) -> None:
+        state = self.s.scheme.state
+        try:
+            self.s.scheme.init_on_sender(model=self.s.model, num_workers=N_WORKERS)
+        except StateError:
+            pass
+        else:
+            raise violated("ordered", "init_on_sender() on a connected sender did not raise StateError")
+        if self.s.scheme.state != state or self.s.scheme.version != self.version:
+            raise violated("ordered", "a refused init_on_sender() changed the scheme")
+
+    # -- invariants ----------------------------------------------------------------------------
+    @invariant()
+    def versions_and_content(self) -> None:
+        if self.s.scheme.version != self.version:
+            raise violated("versioned", f"sender version is {self.s.scheme.version}, expected {self.version}")
+        for w, worker in enumerate(self.s.workers):
+            snap = worker.snapshot()
+            if snap["version"] != self.held[w]:
+                raise violated("versioned", f"worker {w} reports version {snap['version']}, expected {self.held[w]}")
+            kind, detail = classify(snap["digests"], self.by_version)
+            if kind == "mixed":
+                raise violated("atomic", f"worker {w} holds a mix of versions: {detail}")
+            if kind == "unknown":
+                raise violated("exact", f"worker {w} holds content that was never sent in keys {detail} "
+                                        f"(an unsent trainer write, or damaged bytes)")
+            if snap["digests"] != self.by_version[self.held[w]]:
+                raise violated("versioned", f"worker {w} reports version {self.held[w]} but holds version {detail}")
+
+    def teardown(self) -> None:
+        try:
+            events = []
+            for w in self.s.workers:
+                events += w.request("audit").get("events", [])
+            if events:
+                raise violated("safe", f"a receiver unpickled: find_class{tuple(events[0])}")
+        finally:
+            self.s.close()
+
+
+def run_lifecycle_machine(ctx: Context) -> None:
+    """Run the lifecycle machine under the current hypothesis profile (a few short runs in ``ci``)."""
+    pool = ctx.workers(N_WORKERS)
+    machine = type("Lifecycle", (LifecycleMachine,), {"ctx": ctx, "pool": pool})
+    base = profiles.current()
+    run_state_machine_as_test(machine, settings=profiles.scaled(0.3, at_least=2,
+                                                                stateful_step_count=base.stateful_step_count))

@@ -1,0 +1,85 @@
+"""What the suite tests: a transport given by name, ``module:attr``, class, object or factory,
+with options parsed from ``KEY=VALUE`` strings."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsync_core import Capabilities, Transport, get_transport
+
+__all__ = ["parse_value", "parse_options", "Target"]
+
+
+def parse_value(text: str) -> Any:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``; raises ValueError for an item without '='."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"transport options are KEY=VALUE, got {pair!r}")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+def _load(spec: str) -> Any:
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+    return get_transport(spec)
+
+
+@dataclass
+class Target:
+    """A transport under test: ``make()`` builds a fresh Transport object for each scheme."""
+
+    transport: str | Transport | type[Transport] | Callable[..., Transport]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._source = _load(self.transport) if isinstance(self.transport, str) else self.transport
+
+    def make(self) -> Transport:
+        """A new Transport object (a given object is used as it is)."""
+        if isinstance(self._source, Transport):
+            return self._source
+        made = self._source(**dict(self.options))
+        if not isinstance(made, Transport):
+            raise TypeError(f"{self.transport!r} made a {type(made).__name__}, expected a wsync_core.Transport")
+        return made
+
+    @property
+    def cls(self) -> type[Transport]:
+        return type(self.make()) if not isinstance(self._source, type) else self._source
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.cls.capabilities
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.transport, str):
+            return self.transport
+        return getattr(self.cls, "name", self.cls.__name__)
