@@ -1,0 +1,317 @@
+"""``files``: weights exchanged through files in a shared directory, each written atomically.
+
+Everything lives in the ``directory`` option (a local folder, or a shared-filesystem mount
+that every side reaches). Every file is written to a hidden temporary name, then moved into
+place with ``os.replace``, so a reader sees a whole file or none:
+
+- ``sender``: the sender's claim on the directory (``host pid token``);
+- ``payload-<token>-<n>.bin``: one snapshot, written once and never changed;
+- ``to-<w>``: worker ``w``'s mailbox: ``<token> <seq> <payload file>`` then a newline and the
+  core's header bytes; only the listed workers' mailboxes change, so a subset send reaches
+  only its targets;
+- ``hello-<w>``: worker ``w`` is here (``host pid token``); ``ack-<w>-<seq>``: one ack.
+
+Both sides poll (1 ms, backing off to 20 ms while idle), never past the deadline. Nothing read
+from the directory is unpickled: names are parsed strictly, sizes are bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+from wsync_core import (
+    Acked,
+    Capabilities,
+    Deadline,
+    Delivery,
+    Joined,
+    Left,
+    ReceiverContext,
+    ReceiverEndpoint,
+    SenderContext,
+    SenderEndpoint,
+    Transport,
+    TransportError,
+)
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import Event
+
+__all__ = ["FilesTransport"]
+
+_HOST = socket.gethostname()
+_PROC = os.path.isdir("/proc/self")
+_PAYLOAD = re.compile(r"payload-[0-9a-f]{12}-[0-9]+\.bin")
+_ACK = re.compile(r"ack-([0-9]+)-[0-9]{20}")
+_HELLO = re.compile(r"hello-([0-9]+)")
+T = TypeVar("T")
+
+
+def _poll(deadline: Deadline, check: Callable[[], T | None]) -> T | None:
+    """Call ``check`` until it returns something truthy or the deadline passes."""
+    delay = 0.001
+    while True:
+        found = check()
+        if found or deadline.expired():
+            return found
+        time.sleep(deadline.slice(delay))
+        delay = min(2 * delay, 0.02)
+
+
+def _write(directory: str, name: str, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``directory/name`` atomically: a temporary file, then ``os.replace``."""
+    tmp = os.path.join(directory, f".tmp-{name}-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _read(path: str, limit: int) -> bytes | None:
+    """The bytes of ``path`` (None if it is missing); raises TransportError if it exceeds ``limit``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > limit:
+        raise TransportError(f"{path} holds more than {limit} bytes; is something else writing to this directory?")
+    return data
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _alive(owner: bytes) -> bool:
+    """Whether the process that wrote ``host pid token`` still runs (always True on another host)."""
+    host, pid = (owner.split() + [b"", b""])[:2]
+    if host != _HOST.encode() or not pid.isdigit():
+        return True
+    if not _PROC:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:  # a zombie (killed, not reaped) counts as dead
+            return f.read().rpartition(b")")[2].split()[:1] not in ([b"Z"], [b"X"])
+    except FileNotFoundError:
+        return False
+
+
+class _Sender(SenderEndpoint):
+    def __init__(self, transport: FilesTransport, ctx: SenderContext) -> None:
+        self.dir = transport.options["directory"]
+        self.nbytes = ctx.layout.nbytes
+        self.token = uuid.uuid4().hex[:12]
+        self.me = f"{_HOST} {os.getpid()} {self.token}".encode()
+        self.buffers: list[torch.Tensor] = []
+        self.written: dict[int, str] = {}  # buffer slot -> payload file holding its bytes
+        self.latest = -1  # the slot published last
+        self.files: list[str] = []  # payload files on disk, oldest first
+        self.mailbox: dict[int, str] = {}  # worker -> payload file its mailbox names
+        self.hellos: dict[int, bytes] = {}  # workers seen, with their hello
+        self.seq = self.count = 0
+        self.opened = False
+
+    def open(self, deadline: Deadline) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        claim = os.path.join(self.dir, "sender")
+        tmp = os.path.join(self.dir, f".tmp-sender-{self.token}")
+        with open(tmp, "xb") as f:
+            f.write(self.me)
+        try:
+            for _ in range(2):
+                try:
+                    os.link(tmp, claim)  # atomic and exclusive, also on NFS
+                    break
+                except FileExistsError:
+                    other = _read(claim, 256) or b""
+                    if _alive(other):
+                        raise TransportError(f"{self.dir} already has a sender ({other.decode(errors='replace')}); "
+                                             f"if it is gone, remove {claim}") from None
+                    _unlink(claim)
+        finally:
+            _unlink(tmp)
+        self.opened = True
+        for name in os.listdir(self.dir):  # leftovers of a sender that died
+            if name.startswith(("to-", "payload-", "ack-")):
+                _unlink(os.path.join(self.dir, name))
+        self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        slot = 1 if self.latest == 0 else 0  # never the buffer published last
+        self.written.pop(slot, None)
+        return self.buffers[slot]
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        slot = next((i for i, b in enumerate(self.buffers) if b is buffer), None)
+        name = self.written.get(slot) if slot is not None else None
+        if name is None:
+            self.count += 1
+            name = f"payload-{self.token}-{self.count}.bin"
+            _write(self.dir, name, memoryview(buffer.cpu().numpy()))
+            self.files.append(name)
+            if slot is not None:
+                self.written[slot] = name
+        self.latest = -1 if slot is None else slot
+        for w in workers:
+            self.seq += 1
+            _write(self.dir, f"to-{w}", f"{self.token} {self.seq} {name}\n".encode() + header)
+            self.mailbox[w] = name
+        keep = set(self.mailbox.values()) | set(self.files[-2:])  # a grace version for slow readers
+        for old in [f for f in self.files if f not in keep]:
+            _unlink(os.path.join(self.dir, old))
+        self.files = [f for f in self.files if f in keep]
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        return _poll(deadline, self._scan) or []
+
+    def _scan(self) -> list[Event]:
+        names = sorted(os.listdir(self.dir))
+        hellos: dict[int, bytes] = {}
+        for name in names:
+            if (m := _HELLO.fullmatch(name)) and (data := _read(os.path.join(self.dir, name), 256)) and _alive(data):
+                hellos[int(m[1])] = data
+        events: list[Event] = [Joined(w) for w, data in hellos.items() if self.hellos.get(w) != data]
+        for name in names:
+            if m := _ACK.fullmatch(name):
+                path = os.path.join(self.dir, name)
+                data = _read(path, MAX_ACK_BYTES)
+                _unlink(path)
+                if data is not None:
+                    events.append(Acked(int(m[1]), data))
+        events += [Left(w, f"hello-{w} is gone or its process died ({data.decode(errors='replace')})")
+                   for w, data in self.hellos.items() if w not in hellos]
+        self.hellos = hellos
+        return events
+
+    def close(self) -> None:
+        if not self.opened:
+            return
+        self.opened = False
+        for name in os.listdir(self.dir):
+            path = os.path.join(self.dir, name)
+            if _ACK.fullmatch(name):
+                _unlink(path)
+            elif _HELLO.fullmatch(name) and not _alive(_read(path, 256) or b""):
+                _unlink(path)  # left by a worker that was killed
+        for name in [*self.files, *(f"to-{w}" for w in self.mailbox), "sender"]:
+            _unlink(os.path.join(self.dir, name))
+        self.files, self.mailbox, self.buffers, self.written = [], {}, [], {}
+
+
+class _Receiver(ReceiverEndpoint):
+    def __init__(self, transport: FilesTransport, ctx: ReceiverContext) -> None:
+        self.dir = transport.options["directory"]
+        self.worker = ctx.worker_idx
+        self.nbytes = ctx.layout.nbytes
+        self.me = f"{_HOST} {os.getpid()} {uuid.uuid4().hex[:12]}".encode()
+        self.hello = os.path.join(self.dir, f"hello-{self.worker}")
+        self.seen: bytes | None = None  # the mailbox line last taken
+        self.acks = time.time_ns()  # ack sequence: rises across restarts of this worker
+        self.free: list[torch.Tensor] = []
+        self.opened = False
+
+    def open(self, deadline: Deadline) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        other = _read(self.hello, 256)
+        if other and _alive(other):
+            raise TransportError(f"{self.dir} already has a worker {self.worker} "
+                                 f"({other.decode(errors='replace')})")
+        for name in os.listdir(self.dir):  # a previous run's acks, and a mailbox the sender wrote for it
+            if (m := _ACK.fullmatch(name)) and int(m[1]) == self.worker or name == f"to-{self.worker}":
+                _unlink(os.path.join(self.dir, name))
+        _write(self.dir, f"hello-{self.worker}", self.me)
+        self.opened = True
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        return _poll(deadline, self._take)
+
+    def _take(self) -> Delivery | None:
+        data = _read(os.path.join(self.dir, f"to-{self.worker}"), MAX_HEADER_BYTES + 256)
+        if data is None:
+            return None
+        line, _, header = data.partition(b"\n")
+        if line == self.seen:
+            return None
+        self.seen = line
+        fields = line.split()
+        name = fields[2].decode(errors="replace") if len(fields) == 3 else ""
+        if not _PAYLOAD.fullmatch(name):
+            raise TransportError(f"mailbox to-{self.worker} in {self.dir} is malformed: {line[:80]!r}")
+        try:
+            f = open(os.path.join(self.dir, name), "rb", buffering=0)
+        except FileNotFoundError:  # replaced by a newer version: the mailbox names it now
+            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != self.nbytes:  # no memory: the core names the mismatch from the header
+                return Delivery(header, torch.empty(size, dtype=torch.uint8, device="meta"))
+            buf = self.free.pop() if self.free else torch.empty(self.nbytes, dtype=torch.uint8)
+            view, got = memoryview(buf.numpy()), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    self.free.append(buf)
+                    raise TransportError(f"{name} ended after {got} of {size} bytes")
+                got += n
+        return Delivery(header, buf, release=lambda: self.free.append(buf))
+
+    def ack(self, data: bytes) -> None:
+        self.acks += 1
+        _write(self.dir, f"ack-{self.worker}-{self.acks:020d}", data)
+
+    def close(self) -> None:
+        if not self.opened:
+            return
+        self.opened = False
+        if _read(self.hello, 256) == self.me:
+            _unlink(self.hello)
+        if not os.path.exists(os.path.join(self.dir, "sender")):  # else the sender reads, then removes them
+            for name in os.listdir(self.dir):
+                if (m := _ACK.fullmatch(name)) and int(m[1]) == self.worker:
+                    _unlink(os.path.join(self.dir, name))
+        self.free = []
+
+
+def _flag(value: bool | str) -> bool:
+    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off", "1", "true", "yes", "on"):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"checksum must be a bool, got {value!r}")
+
+
+class FilesTransport(Transport):
+    """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
+
+    name = "files"
+    capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
+
+    def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool | str = True) -> None:
+        if directory is None:
+            raise ValueError("the files transport needs directory=<a folder every side can reach>")
+        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=_flag(checksum))
+
+    def sender(self, ctx: SenderContext) -> SenderEndpoint:
+        return _Sender(self, ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
+        return _Receiver(self, ctx)
