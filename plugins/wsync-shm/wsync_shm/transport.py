@@ -63,6 +63,7 @@ _WORKER = struct.Struct("<q")
 _TAKEN = struct.Struct("<Q")
 _DELIVER = struct.Struct("<IQ")  # slot index, generation
 _ACK_SEND_TIMEOUT = 30.0
+_CHUNK = 1 << 20
 
 
 def _slot_path(name: str, token: str, index: int) -> str:
@@ -311,6 +312,7 @@ class _Receiver(ReceiverEndpoint):
         self._name: str = transport.options["name"]
         self._worker = ctx.worker_idx
         self._sock: socket.socket | None = None
+        self._selector: selectors.DefaultSelector | None = None
         self._reader = wire.FrameReader(_DELIVER.size + MAX_HEADER_BYTES)
         self._token: str | None = None
         self._slots: dict[int, Slot] = {}
@@ -339,6 +341,8 @@ class _Receiver(ReceiverEndpoint):
             sock.close()
             raise
         self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         while True:
@@ -353,15 +357,13 @@ class _Receiver(ReceiverEndpoint):
             if deadline.expired():
                 return None
             left = deadline.remaining()
-            with selectors.DefaultSelector() as sel:
-                sel.register(self._sock, selectors.EVENT_READ)
-                sel.select(None if left == float("inf") else left)
+            self._selector.select(None if left == float("inf") else left)
 
     def _read(self) -> None:
         """Take in every frame waiting on the socket; remember only the newest delivery."""
         while self._closed_by is None:
             try:
-                data = self._sock.recv(1 << 20)
+                data = self._sock.recv(_CHUNK)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -380,6 +382,8 @@ class _Receiver(ReceiverEndpoint):
                 else:
                     raise TransportError(f"worker {self._worker}: the shm sender sent a malformed "
                                          f"frame {bytes([kind])!r} of {len(body)} bytes")
+            if len(data) < _CHUNK:  # drained (more may come: the next call reads it)
+                return
 
     def _take(self) -> Delivery | None:
         """Lock and check the newest delivery's slot; None if the sender has reused it since."""
@@ -438,6 +442,9 @@ class _Receiver(ReceiverEndpoint):
         for slot in self._slots.values():
             slot.close()
         self._slots.clear()
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
