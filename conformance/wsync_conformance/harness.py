@@ -219,24 +219,27 @@ class Worker:
             self.conn, child = multiprocessing.Pipe()
             self.runner = threading.Thread(target=serve, args=(child, False), daemon=True,
                                            name="wsync-conformance-receiver")
+        self.broken = False
         self.runner.start()
         if process:
             child.close()
         self.pid = self.request("ping", timeout=180.0)["pid"]
         self.pending: str | None = None
+        self.broken = False
 
     @property
     def ident(self) -> int | None:
         return None if self.process else self.runner.ident
 
     def alive(self) -> bool:
-        return self.runner.is_alive()
+        return self.runner.is_alive() and not self.broken
 
     def send(self, cmd: str, **kw: Any) -> None:
         self.conn.send_bytes(json.dumps({"cmd": cmd, **kw}).encode())
 
     def recv(self, timeout: float, what: str = "reply") -> Reply:
         if not self.conn.poll(timeout):
+            self.broken = True  # its next answer would be out of step: never reuse it
             raise HarnessError(f"receiver runner {self.pid} gave no {what} within {timeout:g} s (hung in the transport?)")
         try:
             return Reply(json.loads(self.conn.recv_bytes()))
@@ -253,8 +256,10 @@ class Worker:
         return self.request("open", timeout, scheme=blob, spec=spec.to_json(), device=device, worker_idx=worker_idx,
                             init=init, model_id=model_id).raise_for_error(f"worker {worker_idx}: opening a receiver")
 
-    def call(self, method: str, timeout: float = 120.0, **kwargs: Any) -> Reply:
-        return self.request("call", timeout, method=method, kwargs=kwargs)
+    def call(self, method: str, **kwargs: Any) -> Reply:
+        """Call ``scheme.<method>(**kwargs)`` in the receiver; the reply names the error it raised."""
+        wait = float(kwargs.get("timeout") or 0.0) + 120.0
+        return self.request("call", wait, method=method, kwargs=kwargs)
 
     def call_async(self, method: str, **kwargs: Any) -> None:
         self.send("call", method=method, kwargs=kwargs)

@@ -220,7 +220,8 @@ def digests(model) -> dict[str, str]:
         if t.numel() == 0:
             data = b""
         else:
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
+            data = flat.view(torch.uint8).numpy().tobytes()
         out[key] = hashlib.blake2b(data, digest_size=16).hexdigest()
     return out
 

@@ -618,8 +618,8 @@ class TransportSuite:
         s.check(s.send(), guarantee="portable")
 
     # == clean ======================================================================================
-    def _lifecycle(self, wsync: Context, mid: dict[str, Any] | None = None) -> None:
-        s = wsync.session(rich_spec("module", 1), n=2)
+    def _lifecycle(self, wsync: Context, workers: list, mid: dict[str, Any] | None = None) -> None:
+        s = wsync.session(rich_spec("module", 1), workers=workers)
         s.fill(random_values(s.spec, 1))
         s.check(s.send())
         if mid is not None:
@@ -635,12 +635,12 @@ class TransportSuite:
         """After shutdown() on both sides: no thread, file descriptor, child process, shared
         memory segment, listening socket or inproc channel is left behind."""
         workers = wsync.workers(2)
-        self._lifecycle(wsync)  # warm-up: lazy initialisation is not a leak
+        self._lifecycle(wsync, workers)  # warm-up: lazy initialisation is not a leak
         shm_before = resources.shm_entries()
         before = resources.snapshot()
         worker_before = [w.request("resources") for w in workers] if wsync.process else []
         mid: dict[str, Any] = {}
-        self._lifecycle(wsync, mid)
+        self._lifecycle(wsync, workers, mid)
         pool = {w.pid for w in workers}
         found = resources.wait_for_no_leaks(before, resources.snapshot, ignore_children=pool)
         found = [f"sender process: {f}" for f in found]
@@ -659,7 +659,7 @@ class TransportSuite:
         sender's shutdown nothing of either is left behind."""
         wsync.require("processes")
         workers = wsync.workers(2)
-        self._lifecycle(wsync)
+        self._lifecycle(wsync, workers)
         shm_before = resources.shm_entries()
         before = resources.snapshot()
         s = wsync.session(version_spec(), workers=workers)
