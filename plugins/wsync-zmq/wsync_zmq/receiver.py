@@ -74,11 +74,25 @@ class ZmqReceiver(ReceiverEndpoint):
                 self._send([HELLO, self._hello], "hello")
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._reconnect()
             else:
                 curve = " (is curve_server_key the sender's public key, and is this worker's key allowed?)" \
                     if self._options["curve_server_key"] else ""
                 raise TransportError(f"worker {self._worker}: the sender at {self._options['address']} refused "
                                      f"the connection: {zmq.Event(kind).name}{curve}")
+
+    def _reconnect(self) -> None:
+        """Connect afresh: libzmq gives up on a connection that broke its bounds (an oversized
+        frame), and anything unread from a lost connection is sent again after the next hello."""
+        address = self._options["address"]
+        try:
+            self._sock.disconnect(address)
+        except zmq.ZMQError:
+            pass  # libzmq already dropped the endpoint
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise wrap(exc, f"worker {self._worker} reconnecting to {address}") from exc
 
     def _read(self) -> Delivery | None:
         sock = self._sock

@@ -60,6 +60,14 @@ class _AllowList:
         return False
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection a frame came in on (-1 when libzmq no longer knows it)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
+
+
 class ZmqSender(SenderEndpoint):
     def __init__(self, options: dict, ctx: SenderContext) -> None:
         self._options = options
@@ -199,7 +207,7 @@ class ZmqSender(SenderEndpoint):
                 rid_frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            rid, fd = rid_frame.bytes, rid_frame.get(zmq.SRCFD)
+            rid, fd = rid_frame.bytes, _source_fd(rid_frame)
             frames: list[bytes] = []
             extra = 0
             more = rid_frame.more

@@ -1,0 +1,218 @@
+"""Hostile and broken peers, with real sockets: the sender survives them; a receiver fed garbage
+raises TransportError and keeps its last good version."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
+from wsync_core.layout import Layout
+from wsync_core.protocol import Ack, Header, crc32
+from wsync_core.weights import flatten
+from wsync_zmq import ZmqTransport
+from wsync_zmq.wire import ACK, DATA, HELLO, Hello
+from zmq_helpers import digest, make_model
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def test_sender_survives_garbage_from_raw_and_zmq_peers(spawn, context, caplog):
+    model = make_model(0)
+    scheme = WeightSyncScheme("zmq", timeout=60.0)
+    scheme.init_on_sender(model=model, num_workers=1)
+    options = scheme.transport.options
+    host, port = options["address"][len("tcp://"):].rsplit(":", 1)
+    try:
+        w0 = spawn(0, options)
+        scheme.connect()
+        w0.wait_version(0)
+
+        # raw TCP peers: random bytes, a half greeting, a huge declared frame, then gone
+        for junk in (os.urandom(4096), b"\xff" + b"\x00" * 8 + b"\x7f", b"\xff" * 100_000):
+            with socket.create_connection((host, int(port)), timeout=5) as raw:
+                raw.sendall(junk)
+        # zmq peers: wrong kinds, too many frames, oversized frames, bad hellos, acks without hello
+        garbage = [
+            [b"X"], [b""], [HELLO], [HELLO, b"{not json"], [HELLO, b"[]"],
+            [HELLO, json.dumps({"wsync": 1, "w": 99, "m": "policy", "d": "x", "n": 1}).encode()],
+            [HELLO, json.dumps({"wsync": 1, "w": -1, "m": "policy", "d": "x", "n": 1}).encode()],
+            [HELLO, b"x" * 5000], [ACK] * 50, [ACK, Ack(0, 1).encode()], [b"B"],
+            [DATA, b"{}", b"payload"], [ACK, b"\x00" * (200 * 1024)],
+        ]
+        peers = []
+        for frames in garbage:
+            peer = context.socket(zmq.DEALER)
+            peer.linger = 0
+            peer.connect(options["address"])
+            peer.send_multipart(frames)
+            peers.append(peer)
+        # a peer that claims worker 0's identity at the socket level gets a fresh one from the ROUTER
+        impostor = context.socket(zmq.DEALER)
+        impostor.linger = 0
+        impostor.routing_id = b"\x00\x6b\x8b\x45\x67"
+        impostor.connect(options["address"])
+        impostor.send_multipart([ACK, Ack(0, 99).encode()])
+        time.sleep(0.5)
+        for v in (1, 2):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            assert scheme.send() == v
+            assert w0.wait_version(v)["digest"] == digest(model)
+        assert "has not said hello" in caplog.text and "malformed message from a peer" in caplog.text
+    finally:
+        scheme.shutdown()
+
+
+def test_forged_ack_never_completes_a_send(context):
+    """A peer that never said hello cannot ack for a worker; the send times out naming it."""
+    model = make_model(0)
+    scheme = WeightSyncScheme("zmq", timeout=30.0)
+    scheme.init_on_sender(model=model, num_workers=1)
+    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
+    receiver.init_on_receiver(model=make_model(1), worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        forger = context.socket(zmq.DEALER)
+        forger.linger = 0
+        forger.connect(scheme.transport.options["address"])
+        forger.send_multipart([ACK, Ack(0, 1).encode()])
+        # the real worker does not call receive(): only a forged ack could complete this send
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=1.5)
+        assert info.value.workers == [0]
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        scheme.shutdown()
+
+
+class FakeSender:
+    """A raw ROUTER at a receiver's address that speaks the wire format, correctly or not."""
+
+    def __init__(self, context: zmq.Context, address: str, model: torch.nn.Module) -> None:
+        self.sock = context.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind(address)
+        self.tensors = flatten(model)
+        self.layout = Layout.of(self.tensors)
+        self.rid: bytes | None = None
+
+    def wait_hello(self, timeout: float = 30.0) -> Hello:
+        end = time.monotonic() + timeout
+        while self.sock.poll(max(0.0, end - time.monotonic()) * 1000):
+            rid, kind, *body = self.sock.recv_multipart()
+            if kind == HELLO:  # (acks, including the receiver's rejections, are skipped)
+                self.rid = rid
+                return Hello.decode(body[0])
+        raise AssertionError("the receiver never said hello")
+
+    def valid(self, version: int, *, layout: bool = False) -> tuple[bytes, bytes]:
+        buf = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        self.layout.pack(self.tensors, buf)
+        wire = json.loads(self.layout.to_json()) if layout else None
+        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, crc32(buf), wire).encode()
+        return header, buf.numpy().tobytes()
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart([self.rid, *frames])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
+    address = ZmqTransport().options["address"]
+    source = make_model(0)
+    fake = FakeSender(context, address, source)
+    local = make_model(1)
+    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        assert fake.wait_hello().worker == 0
+        fake.send(DATA, *fake.valid(0, layout=True))
+        thread.join(30)
+        assert receiver.version == 0 and digest(local) == digest(source)
+        good = digest(local)
+
+        header, payload = fake.valid(1)
+        bad_crc = bytearray(payload)
+        bad_crc[7] ^= 0xFF
+        cases = {
+            "too few frames": [DATA, header],
+            "too many frames": [DATA, header, payload, b"extra"],
+            "wrong kind": [b"Q", header, payload],
+            "empty header": [DATA, b"", payload],
+            "header not json": [DATA, b"\x80garbage", payload],
+            "payload too long": [DATA, header, payload + b"\x00" * 64],
+            "payload truncated": [DATA, header, payload[:-64]],
+            "damaged payload": [DATA, header, bytes(bad_crc)],
+            "header lies about size": [DATA, Header(1, "policy", fake.layout.digest, 10**12).encode(), payload],
+        }
+        for name, frames in cases.items():
+            fake.send(*frames)
+            with pytest.raises(TransportError):
+                receiver.receive(timeout=10.0)
+            assert receiver.version == 0 and digest(local) == good, name
+
+        # a frame beyond the receiver's bound is refused by libzmq before allocation: the
+        # connection drops, nothing is applied, and the receiver reconnects and says hello again
+        fake.send(DATA, header, b"\x00" * (8 << 20))
+        hello = None
+        end = time.monotonic() + 30
+        while hello is None and time.monotonic() < end:
+            assert receiver.receive(timeout=0.1) is None  # (the hello goes out from receive())
+            try:
+                hello = fake.wait_hello(timeout=0.0)
+            except AssertionError:
+                pass
+        assert hello is not None and hello.worker == 0
+        assert receiver.version == 0 and digest(local) == good
+
+        with torch.no_grad():
+            source[0].weight.mul_(2)
+        fake.tensors = flatten(source)
+        fake.send(DATA, *fake.valid(2))
+        assert receiver.receive(timeout=10.0) == 2 and digest(local) == digest(source)
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        fake.close()
+
+
+def test_receiver_keeps_its_version_when_the_sender_dies(context):
+    address = ZmqTransport().options["address"]
+    source = make_model(0)
+    fake = FakeSender(context, address, source)
+    local = make_model(1)
+    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        fake.wait_hello()
+        fake.send(DATA, *fake.valid(0, layout=True))
+        thread.join(30)
+        fake.close()
+        assert receiver.receive(timeout=0.5) is None
+        assert receiver.version == 0 and digest(local) == digest(source)
+    finally:
+        thread.join(30)
+        receiver.shutdown()
