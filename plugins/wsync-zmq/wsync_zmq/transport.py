@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 from wsync_core.transport import (
     Capabilities,
     ReceiverContext,
