@@ -740,9 +740,13 @@ class TransportSuite:
             raise violated("safe", f"the receiver unpickled hostile bytes: find_class{tuple(events[0])}")
         fill_version(raw.model, 4)
         raw.publish(raw.header(5), [0])
-        reply = w.call("receive", timeout=wsync.timeout)
+        for _ in range(3):  # a hostile header still in flight may surface first, as TransportError
+            reply = w.call("receive", timeout=wsync.timeout)
+            if reply.error != "TransportError":
+                break
         if reply.get("result") != 5:
-            raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}")
+            raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}: "
+                                   f"{reply.get('message', '')}")
 
     @guarantee("safe")
     def test_safe_binds_loopback(self, wsync: Context) -> None:

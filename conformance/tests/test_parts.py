@@ -1,0 +1,73 @@
+"""The suite's own parts: option parsing, version classification, models, pickle inspection."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from wsync_core import WeightSyncScheme
+from wsync_core.weights import flatten
+
+from wsync_conformance.context import classify
+from wsync_conformance.models import build, digests, fill, random_values, rich_spec
+from wsync_conformance.portable import inspect_pickle
+from wsync_conformance.strategies import model_specs
+from wsync_conformance.target import Target, parse_options
+
+
+def test_parse_options() -> None:
+    assert parse_options(["a=1", "b=0.5", "c=true", "d=None", "e=loopback", "f=x=y"]) == {
+        "a": 1, "b": 0.5, "c": True, "d": None, "e": "loopback", "f": "x=y"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_options(["novalue"])
+
+
+def test_target_accepts_names_classes_objects_and_factories() -> None:
+    from wsync_core.inproc import InprocTransport
+
+    for spec in ("inproc", "wsync_core.inproc:InprocTransport", InprocTransport, lambda **kw: InprocTransport(**kw)):
+        t = Target(spec, {"checksum": True})
+        assert isinstance(t.make(), InprocTransport) and t.make().checksum
+        assert t.capabilities == InprocTransport.capabilities
+    obj = InprocTransport()
+    assert Target(obj).make() is obj
+
+
+def test_classify() -> None:
+    expected = {1: {"a": "x1", "b": "y1"}, 2: {"a": "x2", "b": "y2"}}
+    assert classify({"a": "x2", "b": "y2"}, expected) == ("match", 2)
+    assert classify({"a": "x2", "b": "y1"}, expected)[0] == "mixed"
+    assert classify({"a": "zz", "b": "y1"}, expected) == ("unknown", ["a"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=model_specs())
+def test_models_round_trip_exactly(spec) -> None:
+    """A sender model (views, shared storage, ties) and a receiver model of one spec share a
+    layout, and copying values makes their digests equal."""
+    sender, receiver = build(spec, sender=True), build(spec)
+    assert sorted(flatten(sender)) == sorted(flatten(receiver)) == sorted(t.key for t in spec.tensors)
+    fill(sender, random_values(spec, 3))
+    fill(receiver, {k: v.clone() for k, v in flatten(sender).items()})
+    assert digests(sender) == digests(receiver)
+
+
+def test_rich_spec_has_every_kind_of_tensor() -> None:
+    spec = rich_spec("module", 1)
+    model = build(spec, sender=True)
+    tensors = flatten(model)
+    assert {t.dtype for t in tensors.values()} >= {torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                                   torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool}
+    assert any(t.dim() == 0 for t in tensors.values()) and any(t.numel() == 0 for t in tensors.values())
+    assert any(not t.is_contiguous() for t in tensors.values())
+    assert tensors["head.weight"] is not None and model.head.weight is model.head.tied_weight
+
+
+def test_inspect_pickle_finds_forbidden_objects() -> None:
+    assert inspect_pickle(WeightSyncScheme("inproc"))["forbidden"] == []
+    assert "torch.Tensor" in inspect_pickle({"t": torch.zeros(2)})["forbidden"]
+    assert inspect_pickle(threading.Lock())["pickle_error"]
+    assert pickle.loads(pickle.dumps(WeightSyncScheme("inproc"))).version == -1

@@ -1,0 +1,83 @@
+"""``wsync conformance NAME``: run the suite against a transport and print a table by guarantee."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser", "pytest_args"]
+
+
+def pytest_args(args: argparse.Namespace) -> list[str]:
+    """The pytest command line equivalent to ``args``."""
+    out = ["--pyargs", "wsync_conformance", "--wsync-transport", args.name, "-q", "--tb=short",
+           "-p", "no:cacheprovider"]
+    if getattr(args, "device", None):
+        out += ["--wsync-device", args.device]
+    for opt in getattr(args, "option", None) or []:
+        out += ["--wsync-option", opt]
+    if getattr(args, "timeout", None):
+        out += ["--wsync-timeout", str(args.timeout)]
+    for g in getattr(args, "guarantee", None) or []:
+        out += ["--wsync-guarantee", g]
+    if getattr(args, "profile", None):
+        out += ["--hypothesis-profile", args.profile]
+    if getattr(args, "keyword", None):
+        out += ["-k", args.keyword]
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the suite; print the table; return non-zero on any failure (or if nothing ran)."""
+    import pytest
+
+    from . import profiles
+    from .report import Collector, format_table
+    from .target import Target, parse_options
+
+    try:
+        target = Target(args.name, parse_options(getattr(args, "option", None) or []))
+        declared = target.capabilities.declared()
+        label = f"transport {target.name!r} ({target.cls.__module__}.{target.cls.__qualname__})"
+    except Exception as exc:  # unknown transport, bad option: say so instead of a traceback
+        print(f"wsync conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    profiles.register()
+    collector = Collector()
+    code = pytest.main(pytest_args(args), plugins=[collector])
+    results = collector.by_guarantee()
+    profile = getattr(args, "profile", None) or "ci"
+    header = f"wsync conformance: {label}, device {getattr(args, 'device', None) or 'cpu'}, profile {profile}"
+    print()
+    print(format_table(results, header, declared))
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            f.write(collector.to_json())
+    failed = [g for g, r in results.items() if r["status"] == "failed"]
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}")
+        return 1
+    if code not in (0, 5) or not collector.outcomes:
+        print(f"\npytest exited with status {int(code)}")
+        return int(code) or 1
+    print("\nPASSED: every guarantee that applies")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The same arguments as ``wsync conformance``, plus --guarantee, --timeout and --json."""
+    p = argparse.ArgumentParser(prog="python -m wsync_conformance", description=__doc__)
+    p.add_argument("name", help="transport: entry-point name or module:Class")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
+    p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a call that should succeed may take")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results by guarantee as JSON")
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    return main(build_parser().parse_args(argv))

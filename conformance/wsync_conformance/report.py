@@ -1,0 +1,95 @@
+"""Outcomes by guarantee: a pytest plugin object that ``wsync conformance`` registers, and the
+table it prints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .guarantees import CAPABILITY_NAMES, GUARANTEES, GuaranteeViolation
+
+__all__ = ["Collector", "Outcome", "format_table"]
+
+
+@dataclass
+class Outcome:
+    test: str
+    status: str  # passed | failed | skipped
+    reason: str = ""
+    guarantees: list[str] = field(default_factory=list)
+
+
+def _reason(report: pytest.TestReport, call: pytest.CallInfo) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if call.excinfo is not None:
+        text = str(call.excinfo.value).strip() or call.excinfo.typename
+        return f"{call.excinfo.typename}: {text.splitlines()[0][:300]}"
+    return ""
+
+
+class Collector:
+    """Records each wsync conformance test's outcome under the guarantees it is marked with."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, Outcome] = {}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        result = yield
+        report = result.get_result()
+        names = [n for m in item.iter_markers("wsync_guarantee") for n in m.args]
+        if not names:
+            return
+        test = item.name
+        if report.when == "call" or report.failed or report.skipped:
+            status = "failed" if report.failed else "skipped" if report.skipped else "passed"
+            blamed = names
+            if report.failed and call.excinfo is not None and isinstance(call.excinfo.value, GuaranteeViolation):
+                if call.excinfo.value.guarantee in names:
+                    blamed = [call.excinfo.value.guarantee]
+            prior = self.outcomes.get(item.nodeid)
+            if prior is None or prior.status != "failed":
+                self.outcomes[item.nodeid] = Outcome(test, status, _reason(report, call), blamed)
+
+    def by_guarantee(self) -> dict[str, dict[str, Any]]:
+        """guarantee -> {"status", "passed": [...], "failed": [(test, reason)], "skipped": [(test, reason)]}."""
+        out = {}
+        for g in GUARANTEES:
+            mine = [o for o in self.outcomes.values() if g in o.guarantees]
+            entry = {
+                "passed": [o.test for o in mine if o.status == "passed"],
+                "failed": [[o.test, o.reason] for o in mine if o.status == "failed"],
+                "skipped": [[o.test, o.reason] for o in mine if o.status == "skipped"],
+            }
+            entry["status"] = ("failed" if entry["failed"] else "passed" if entry["passed"]
+                               else "skipped" if entry["skipped"] else "not run")
+            out[g] = entry
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.by_guarantee(), indent=2)
+
+
+def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str]) -> str:
+    """The table ``wsync conformance`` prints: one row per guarantee, then the capabilities."""
+    lines = [header, "", f"{'guarantee':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
+    for g, r in results.items():
+        if r["status"] == "failed":
+            detail = "; ".join(f"{t}: {why}" for t, why in r["failed"])
+        elif r["status"] == "passed":
+            detail = f"{len(r['passed'])} test{'s' if len(r['passed']) != 1 else ''}"
+            if r["skipped"]:
+                detail += f" ({len(r['skipped'])} skipped: " + "; ".join(sorted({why for _, why in r["skipped"]})) + ")"
+        elif r["status"] == "skipped":
+            detail = "; ".join(sorted({why for _, why in r["skipped"]}))
+        else:
+            detail = "no test selected"
+        lines.append(f"{g:<11} {r['status']:<8} {detail}")
+    lines += ["", "capabilities declared: " + (", ".join(declared) or "none"),
+              "not declared (their tests skip): " + (", ".join(c for c in CAPABILITY_NAMES if c not in declared)
+                                                     or "none")]
+    return "\n".join(lines)
