@@ -14,18 +14,21 @@ import torch
 
 from zmq_worker import digest, make_model
 
-__all__ = ["WorkerProcess", "digest", "make_model", "WORKER_SCRIPT"]
+__all__ = ["WorkerProcess", "SenderProcess", "digest", "make_model", "WORKER_SCRIPT", "SENDER_SCRIPT"]
 
 WORKER_SCRIPT = str(Path(__file__).with_name("zmq_worker.py"))
+SENDER_SCRIPT = str(Path(__file__).with_name("zmq_sender.py"))
 
 
 class WorkerProcess:
     """zmq_worker.py in a child process; ``lines`` holds what it printed, decoded."""
 
+    script = WORKER_SCRIPT
+
     def __init__(self, worker: int, options: dict, prefix: tuple[str, ...] = (), **config) -> None:
         self.worker = worker
         config = {"worker": worker, "options": options, **config}
-        self.proc = subprocess.Popen([*prefix, sys.executable, WORKER_SCRIPT, json.dumps(config)],
+        self.proc = subprocess.Popen([*prefix, sys.executable, self.script, json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[dict] = queue.Queue()
         self.seen: list[dict] = []
@@ -86,3 +89,26 @@ class WorkerProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+
+class SenderProcess(WorkerProcess):
+    """zmq_sender.py in a child process: ``send(**kw)`` asks for one more version and returns its result."""
+
+    script = SENDER_SCRIPT
+
+    def __init__(self, workers: int, options: dict, prefix: tuple[str, ...] = (), **config) -> None:
+        super().__init__(-1, options, prefix, workers=workers, **config)
+
+    def next(self, timeout: float = 60.0) -> dict:
+        """The next line the sender prints."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the sender said nothing within {timeout} s") from None
+        self.seen.append(line)
+        return line
+
+    def send(self, timeout: float = 60.0, **kw) -> dict:
+        self.proc.stdin.write(json.dumps(kw) + "\n")
+        self.proc.stdin.flush()
+        return self.next(timeout)
