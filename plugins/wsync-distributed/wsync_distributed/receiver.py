@@ -85,7 +85,7 @@ class DistributedReceiver(ReceiverEndpoint):
             self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker, bytes(data)))
         except RuntimeError as exc:
             raise TransportError(f"distributed worker {self.worker}: cannot reach the sender's store at "
-                                 f"{self.cfg.host}:{self.cfg.port}: {exc}") from exc
+                                 f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
 
     def close(self) -> None:
         with self.cond:
@@ -101,7 +101,7 @@ class DistributedReceiver(ReceiverEndpoint):
                 stop = wire.encode_control(wire.Control(None, (), 0, 1, (), kind="stop"))
                 store.queue_push(wire.inbox_key(self.inbox), stop)
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
-                log.debug("distributed worker %d: goodbye failed: %s", self.worker, exc)
+                log.debug("distributed worker %d: goodbye failed: %s", self.worker, wire.brief(exc))
         for thread in self.threads:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
@@ -144,7 +144,7 @@ class DistributedReceiver(ReceiverEndpoint):
             try:
                 store.add(key, 1)
             except RuntimeError as exc:
-                log.debug("distributed worker %d: heartbeat stopped: %s", self.worker, exc)
+                log.debug("distributed worker %d: heartbeat stopped: %s", self.worker, wire.brief(exc))
                 return
 
     def _fail(self, message: str) -> None:
@@ -163,7 +163,7 @@ class DistributedReceiver(ReceiverEndpoint):
             except RuntimeError as exc:
                 if isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower():
                     continue
-                self._fail(f"lost the sender's store at {self.cfg.host}:{self.cfg.port}: {exc}")
+                self._fail(f"lost the sender's store at {self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}")
                 return
             try:
                 ctl, header = wire.decode_control(raw)
@@ -199,7 +199,7 @@ class DistributedReceiver(ReceiverEndpoint):
                 works = wire.broadcast(group, self.pool[slot], ctl.bucket)
                 wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing)
         except (RuntimeError, TransportError) as exc:
-            log.warning("distributed worker %d: broadcast in group %s failed: %s", self.worker, ctl.group, exc)
+            log.warning("distributed worker %d: broadcast in group %s failed: %s", self.worker, ctl.group, wire.brief(exc))
             group = self.groups.pop(ctl.group, None)
             if group is not None:
                 _abort(group)
@@ -211,4 +211,4 @@ def _abort(group: dist.ProcessGroup) -> None:
     try:
         group.abort()
     except RuntimeError as exc:
-        log.debug("distributed: aborting a group: %s", exc)
+        log.debug("distributed: aborting a group: %s", wire.brief(exc))

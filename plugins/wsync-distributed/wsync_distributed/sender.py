@@ -117,6 +117,9 @@ class DistributedSender(SenderEndpoint):
                 self.cond.wait(deadline.slice(1.0))
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        if len(header) > wire.MAX_HEADER:
+            raise TransportError(f"distributed: a header of {len(header)} bytes exceeds this transport's limit of "
+                                 f"{wire.MAX_HEADER} bytes (the store carries it)")
         with self.cond:
             slot = next((i for i, b in enumerate(self.pool) if b is buffer), None)
             if slot is None:
@@ -151,7 +154,7 @@ class DistributedSender(SenderEndpoint):
                     store.queue_push(wire.inbox_key(peer.inbox), bye)
                 store.queue_push(wire.EVENTS, wire.encode_event(wire.STOP, 0))
             except (RuntimeError, OSError) as exc:
-                log.warning("distributed sender: could not say goodbye to the workers: %s", exc)
+                log.warning("distributed sender: could not say goodbye to the workers: %s", wire.brief(exc))
         for thread in self.threads:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
@@ -183,7 +186,7 @@ class DistributedSender(SenderEndpoint):
         try:
             beats = self._beats(self.store, workers)
         except RuntimeError as exc:
-            log.warning("distributed sender: cannot read heartbeats: %s", exc)
+            log.warning("distributed sender: cannot read heartbeats: %s", wire.brief(exc))
             return
         now = time.monotonic()
         with self.cond:
@@ -226,11 +229,11 @@ class DistributedSender(SenderEndpoint):
                 if "timeout" in str(exc).lower() and not self.closing:
                     continue
                 if not self.closing:
-                    log.warning("distributed sender: event reader stopped: %s", exc)
+                    log.warning("distributed sender: event reader stopped: %s", wire.brief(exc))
                 return
             except RuntimeError as exc:
                 if not self.closing:
-                    log.warning("distributed sender: event reader stopped: %s", exc)
+                    log.warning("distributed sender: event reader stopped: %s", wire.brief(exc))
                 return
             try:
                 kind, w, data = wire.decode_event(raw)
@@ -278,8 +281,12 @@ class DistributedSender(SenderEndpoint):
                 _drop(self.groups.pop(members)[1])
             try:
                 self._deliver(store, job)
-            except (RuntimeError, TransportError) as exc:  # the store itself failed
-                log.warning("distributed sender: delivery of a version failed: %s", exc)
+            except (RuntimeError, TransportError) as exc:  # the store connection itself failed
+                log.warning("distributed sender: delivery to workers %s failed: %s", job.workers, wire.brief(exc))
+                try:
+                    store = wire.clone(self.store)
+                except (RuntimeError, AttributeError) as again:
+                    log.warning("distributed sender: cannot reconnect to the store: %s", wire.brief(again))
             finally:
                 with self.cond:
                     self.busy[job.slot] -= 1
@@ -294,7 +301,7 @@ class DistributedSender(SenderEndpoint):
             ctl = wire.Control(None, (), self.nbytes, self.cfg.bucket_bytes, self._live(w))
             store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl, job.header))
         targets = sorted(w for w in peers if w not in misfit)
-        error: Exception | None = None
+        error = ""
         for _ in range(_ATTEMPTS):
             if not targets or self.closing:
                 return
@@ -302,13 +309,13 @@ class DistributedSender(SenderEndpoint):
                 self._broadcast(store, buffer, job.header, targets, peers)
                 return
             except TransportError as exc:
-                error = exc
-                log.warning("distributed sender: broadcast to workers %s failed: %s", targets, exc)
+                error = wire.brief(exc)  # a string: the traceback would keep the failed group alive
+                log.warning("distributed sender: broadcast to workers %s failed: %s", targets, error)
                 _drop(self.groups.pop(tuple(targets), (None, None))[1])
                 dead = self._find_dead(store, targets)
                 with self.cond:
                     for w in dead:
-                        self._lose(w, f"broadcast failed ({exc}) and no heartbeat within "
+                        self._lose(w, f"broadcast failed ({error}) and no heartbeat within "
                                       f"{self.cfg.heartbeat_timeout:g} s")
                     targets = [w for w in targets if w in self.peers]
         with self.cond:
@@ -352,5 +359,5 @@ def _drop(group: dist.ProcessGroup | None) -> None:
     try:
         group.abort()
     except RuntimeError as exc:
-        log.debug("distributed: aborting a group: %s", exc)
+        log.debug("distributed: aborting a group: %s", wire.brief(exc))
 

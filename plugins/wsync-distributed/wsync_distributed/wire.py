@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from wsync_core import Deadline, TransportError
-from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.protocol import MAX_ACK_BYTES
 
 from .transport import Config
 
 __all__ = [
-    "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "Control",
+    "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
     "inbox_key", "heartbeat_key", "encode_event", "decode_event", "encode_control", "decode_control",
     "listen", "connect", "clone", "new_group", "broadcast", "wait_works",
 ]
@@ -32,9 +32,17 @@ __all__ = [
 EVENTS = "events"
 JOIN, ACK, LEAVE, STOP = b"J", b"A", b"L", b"S"
 MAX_EVENT_BYTES = 5 + MAX_ACK_BYTES
-MAX_CONTROL_BYTES = 4 + 64 * 1024 + MAX_HEADER_BYTES
+#: the store refuses values much above 8 MiB, so headers (layouts of huge models) are capped here
+MAX_CONTROL_BYTES = 8 * 1024 * 1024
+MAX_HEADER = MAX_CONTROL_BYTES - 4 - 64 * 1024
 #: how long a blocking queue pop waits before it simply tries again
 _POP_TIMEOUT = timedelta(hours=1)
+
+
+def brief(exc: BaseException) -> str:
+    """The first line of an error (torch appends C++ stack traces to some)."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def inbox_key(inbox: str) -> str:
@@ -112,7 +120,7 @@ def listen(cfg: Config) -> tuple[dist.Store, socket.socket]:
                               wait_for_workers=False, master_listen_fd=sock.fileno())
     except (OSError, RuntimeError) as exc:
         sock.close()
-        raise TransportError(f"distributed: cannot host the store at {cfg.host}:{cfg.port}: {exc}") from exc
+        raise TransportError(f"distributed: cannot host the store at {cfg.host}:{cfg.port}: {brief(exc)}") from exc
     return dist.PrefixStore(cfg.prefix, store), sock
 
 
@@ -123,7 +131,7 @@ def connect(cfg: Config, deadline: Deadline) -> dist.Store:
         store = dist.TCPStore(cfg.host, cfg.port, None, False, timedelta(seconds=min(wait, 86400.0)))
     except (RuntimeError, OSError) as exc:
         raise TransportError(f"distributed: no sender store at {cfg.host}:{cfg.port} within {wait:g} s "
-                             f"(is the sender connecting with the same host and port?): {exc}") from exc
+                             f"(is the sender connecting with the same host and port?): {brief(exc)}") from exc
     store.set_timeout(_POP_TIMEOUT)
     return dist.PrefixStore(cfg.prefix, store)
 
@@ -139,12 +147,15 @@ def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int) -
     """A private process group ``name`` of ``size`` ranks, rendezvous through ``store``; never the default group."""
     prefixed = dist.PrefixStore(f"pg/{name}/", store)
     timeout = timedelta(seconds=cfg.timeout)
-    if cfg.backend == "gloo":
+    if cfg.backend == "gloo":  # connecting gets a shorter bound: a dead member must not stall set-up for long
+        connect_s = min(cfg.timeout, max(5.0, 2 * cfg.heartbeat_timeout))
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
+        opts._timeout = timedelta(seconds=connect_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=cfg.bind) for _ in range(cfg.devices)]
         opts._threads = max(2, cfg.devices)
-        return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        group = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        group._set_default_timeout(timeout)
+        return group
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
@@ -176,4 +187,4 @@ def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callab
         try:
             work.wait()
         except RuntimeError as exc:
-            raise TransportError(f"{what}: {exc}") from exc
+            raise TransportError(f"{what}: {brief(exc)}") from exc
