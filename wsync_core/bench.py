@@ -272,6 +272,7 @@ class _Workers:
         self.stop = threading.Event() if threads else self.ctx.Event()
         self.conns = []
         self.procs: list[Any] = []
+        self.ready: set[int] = set()
         for i in range(n):
             mine, theirs = self.ctx.Pipe(duplex=False)
             # each worker holds its own copy of the scheme, as it would in another process
@@ -289,17 +290,12 @@ class _Workers:
         for p in self.procs:
             p.start()
         deadline = time.monotonic() + timeout
-        waiting = set(range(len(self.procs)))
-        while waiting:
+        while len(self.ready) < len(self.procs):
             self.check()
-            for i in list(waiting):
-                if self.conns[i][0].poll(0.05):
-                    msg = json.loads(self.conns[i][0].recv_bytes())
-                    if "error" in msg:
-                        raise RuntimeError(msg["error"])
-                    waiting.discard(i)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"workers {sorted(waiting)} did not start within {timeout:g} s")
+                waiting = sorted(set(range(len(self.procs))) - self.ready)
+                raise RuntimeError(f"workers {waiting} did not start within {timeout:g} s")
+            time.sleep(0.02)
         self.go.set()
 
     def check(self) -> None:
@@ -309,6 +305,7 @@ class _Workers:
                 msg = json.loads(conn.recv_bytes())
                 if "error" in msg:
                     raise RuntimeError(msg["error"])
+                self.ready.add(msg["ready"])
             p = self.procs[i]
             if isinstance(p, multiprocessing.process.BaseProcess) and p.exitcode not in (None, 0):
                 raise RuntimeError(f"worker {i} exited with code {p.exitcode}")
