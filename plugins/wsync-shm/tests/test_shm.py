@@ -1,0 +1,169 @@
+"""The shm transport's own behaviour: slots, stale notifications, names, framing."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from shm_procs import fill, holds, make_model, receiver_main
+
+from wsync_core import TransportError, WeightSyncScheme
+from wsync_shm import ShmTransport
+from wsync_shm.slot import SHM_DIR
+from wsync_shm.wire import DELIVER, FrameReader, frame
+
+
+def slot_files(name: str) -> list[str]:
+    return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(f"wsync-{name}-"))
+
+
+@pytest.fixture
+def group():
+    """An async sender and ``n`` receivers in this thread: ``group(n)`` -> (name, sender, model, receivers)."""
+    made: list[WeightSyncScheme] = []
+
+    def build(n: int):
+        name = f"t-{uuid.uuid4().hex[:12]}"
+        model = make_model()
+        fill(model, 0)
+        sender = WeightSyncScheme("shm", sync=False, timeout=30.0, name=name)
+        sender.init_on_sender(model=model, num_workers=n)
+        made.append(sender)
+        receivers = []
+        for i in range(n):
+            r = WeightSyncScheme("shm", timeout=30.0, name=name)
+            r.init_on_receiver(model=make_model(), worker_idx=i)
+            made.append(r)
+            receivers.append(r)
+        handle_connect(sender, receivers)
+        return name, sender, model, receivers
+
+    yield build
+    for scheme in made:
+        scheme.shutdown()
+
+
+def handle_connect(sender: WeightSyncScheme, receivers: list[WeightSyncScheme]) -> None:
+    import threading
+
+    t = threading.Thread(target=sender.connect)
+    t.start()
+    for r in receivers:
+        r.connect()
+    t.join(60)
+    assert sender.version == 0
+
+
+def model_of(r: WeightSyncScheme) -> dict[str, torch.Tensor]:
+    return r._source  # the receiver's model, as given to init_on_receiver
+
+
+def test_sync_rounds_use_two_slots(group) -> None:
+    name, sender, model, receivers = group(2)
+    for v in range(1, 11):
+        fill(model, v)
+        handle = sender.send_async()
+        assert [r.receive(timeout=30.0) for r in receivers] == [v, v]
+        assert handle.wait() == v
+        assert all(holds(model_of(r), v) for r in receivers)
+    assert len(slot_files(name)) == 2
+
+
+def test_lagging_and_subset_receivers_get_their_newest_version(group) -> None:
+    name, sender, model, (r0, r1, r2) = group(3)
+    fill(model, 1)
+    sender.send_async(worker_ids=[0])  # r0 does not read it yet
+    for v in (2, 3, 4):
+        fill(model, v)
+        sender.send_async(worker_ids=[1])
+        assert r1.receive(timeout=30.0) == v
+    assert r2.receive(timeout=0.0) is None  # never targeted
+    assert r0.receive(timeout=30.0) == 1 and holds(model_of(r0), 1)
+    assert holds(model_of(r1), 4) and holds(model_of(r2), 0)
+    for v in (5, 6, 7):  # nobody reads: only the newest matters
+        fill(model, v)
+        sender.send_async()
+    assert [r.receive(timeout=30.0) for r in (r0, r1, r2)] == [7, 7, 7]
+    assert all(holds(model_of(r), 7) for r in (r0, r1, r2))
+    assert len(slot_files(name)) <= 3 + 2
+
+
+def test_trainer_writes_after_send_do_not_reach_receivers(group) -> None:
+    _, sender, model, (r0,) = group(1)
+    fill(model, 1)
+    sender.send_async()
+    fill(model, 99)  # the live tensors change before the receiver reads
+    assert r0.receive(timeout=30.0) == 1 and holds(model_of(r0), 1)
+
+
+def test_a_second_sender_with_the_same_name_is_refused(group) -> None:
+    name, *_ = group(1)
+    other = WeightSyncScheme("shm", timeout=5.0, name=name)
+    other.init_on_sender(model=make_model(), num_workers=1)
+    try:
+        with pytest.raises(TransportError, match="already in use"):
+            other.connect()
+    finally:
+        other.shutdown()
+
+
+def test_a_second_receiver_with_the_same_index_is_refused(group) -> None:
+    name, *_ = group(1)
+    twin = WeightSyncScheme("shm", timeout=10.0, name=name)
+    twin.init_on_receiver(model=make_model(), worker_idx=0)
+    try:
+        with pytest.raises(TransportError, match="already connected"):
+            twin.connect()
+    finally:
+        twin.shutdown()
+
+
+def test_independent_receiver_process_finds_the_sender_by_name(spawn) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    model = make_model()
+    fill(model, 0)
+    sender = WeightSyncScheme("shm", timeout=30.0, name=name)
+    sender.init_on_sender(model=model, num_workers=1)
+    try:
+        _, conn = spawn(receiver_main, {"name": name}, 0)  # options only: no pickled scheme
+        sender.connect()
+        assert conn.recv() == ("connected", 0, True)
+        fill(model, 1)
+        conn.send(("receive", 30.0))
+        assert sender.send() == 1
+        assert conn.recv() == ("ok", 1, 1, True)
+        conn.send(("quit", None))
+        assert conn.recv() == ("bye",)
+    finally:
+        sender.shutdown()
+    assert slot_files(name) == []
+
+
+def test_names_are_checked_and_travel_with_the_pickle() -> None:
+    import pickle
+
+    with pytest.raises(ValueError, match="shm name"):
+        ShmTransport(name="../etc")
+    t = ShmTransport()
+    assert pickle.loads(pickle.dumps(t)).options == t.options
+
+
+@settings(max_examples=50, deadline=None)
+@given(bodies=st.lists(st.binary(max_size=300), max_size=8), cuts=st.lists(st.integers(1, 64), min_size=1))
+def test_frames_survive_any_chunking(bodies: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(frame(DELIVER, b) for b in bodies)
+    reader, got, pos, i = FrameReader(300), [], 0, 0
+    while pos < len(stream):
+        step = cuts[i % len(cuts)]
+        got += reader.feed(stream[pos:pos + step])
+        pos, i = pos + step, i + 1
+    assert got == [(DELIVER, b) for b in bodies]
+
+
+def test_oversized_frames_are_refused() -> None:
+    with pytest.raises(TransportError, match="limit"):
+        FrameReader(10).feed(frame(DELIVER, b"x" * 11))
