@@ -207,18 +207,18 @@ class DistributedSender(SenderEndpoint):
             self.events.append(Left(w, reason))
             self.cond.notify_all()
 
-    def _find_dead(self, store: dist.Store, workers: list[int]) -> list[int]:
-        """Which of ``workers`` show no heartbeat within ``heartbeat_timeout`` (the others are alive)."""
-        with self.cond:
-            workers = [w for w in workers if w in self.peers]
-        end = time.monotonic() + self.cfg.heartbeat_timeout
+    def _find_dead(self, store: dist.Store, workers: list[int], wait: float) -> list[int]:
+        """Which of ``workers`` show no heartbeat within ``wait`` seconds (or are gone already)."""
+        gone = [w for w in workers if w not in self.peers]
+        workers = [w for w in workers if w not in gone]
+        end = time.monotonic() + wait
         first = self._beats(store, workers)
         alive: set[int] = set()
         while time.monotonic() < end and len(alive) < len(workers) and not self.closing:
             time.sleep(0.1)
             now = self._beats(store, [w for w in workers if w not in alive])
             alive.update(w for w, c in now.items() if c != first[w])
-        return [w for w in workers if w not in alive]
+        return gone + [w for w in workers if w not in alive]
 
     # -- the event reader --------------------------------------------------------------------
     def _read_events(self, store: dist.Store) -> None:
@@ -301,26 +301,41 @@ class DistributedSender(SenderEndpoint):
             ctl = wire.Control(None, (), self.nbytes, self.cfg.bucket_bytes, self._live(w))
             store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl, job.header))
         targets = sorted(w for w in peers if w not in misfit)
+        suspects: list[int] = []
         error = ""
         for _ in range(_ATTEMPTS):
             if not targets or self.closing:
-                return
+                break
             try:
                 self._broadcast(store, buffer, job.header, targets, peers)
-                return
+                targets = []
+                break
             except TransportError as exc:
                 error = wire.brief(exc)  # a string: the traceback would keep the failed group alive
                 log.warning("distributed sender: broadcast to workers %s failed: %s", targets, error)
                 _drop(self.groups.pop(tuple(targets), (None, None))[1])
-                dead = self._find_dead(store, targets)
-                with self.cond:
-                    for w in dead:
-                        self._lose(w, f"broadcast failed ({error}) and no heartbeat within "
-                                      f"{self.cfg.heartbeat_timeout:g} s")
-                    targets = [w for w in targets if w in self.peers]
+                # retry at once with the workers whose heartbeat moves; judge the others at leisure
+                quiet = self._find_dead(store, targets, min(1.0, self.cfg.heartbeat_timeout))
+                suspects += quiet
+                targets = [w for w in targets if w not in quiet]
         with self.cond:
             for w in targets:
                 self._lose(w, f"broadcast failed {_ATTEMPTS} times: {error}")
+        if suspects and not self.closing:
+            dead = self._find_dead(store, suspects, self.cfg.heartbeat_timeout)
+            with self.cond:
+                for w in dead:
+                    self._lose(w, f"broadcast failed ({error}) and no heartbeat within "
+                                  f"{self.cfg.heartbeat_timeout:g} s")
+                revived = [w for w in suspects if w not in dead and w in self.peers]
+            if revived:
+                try:
+                    self._broadcast(store, buffer, job.header, revived, peers)
+                except TransportError as exc:
+                    _drop(self.groups.pop(tuple(revived), (None, None))[1])
+                    with self.cond:
+                        for w in revived:
+                            self._lose(w, f"broadcast failed twice: {wire.brief(exc)}")
 
     def _live(self, w: int) -> tuple[str, ...]:
         return tuple(name for members, (name, _) in self.groups.items() if w in members)
