@@ -69,6 +69,7 @@ class ZmqReceiver(ReceiverEndpoint):
     def _read_monitor(self) -> None:
         for event in monitor_events(self._monitor):
             kind = event["event"]
+            log.debug("worker %d: socket event %s", self._worker, zmq.Event(kind).name)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 self._send([HELLO, self._hello], "hello")

@@ -191,6 +191,7 @@ class ZmqSender(SenderEndpoint):
     def _read_monitor(self) -> None:
         for event in monitor_events(self._monitor):
             kind = event["event"]
+            log.debug("zmq sender: socket event %s (%s)", zmq.Event(kind).name, event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
                 for w, peer in list(self._peers.items()):
                     if peer.fd == event["value"]:
@@ -248,9 +249,10 @@ class ZmqSender(SenderEndpoint):
             self._events.append(Joined(w))
             return
         w = self._workers.get(rid)
-        if w is None:
-            log.warning("zmq sender ignored %s from peer %s, which has not said hello",
-                        "an ack" if msg.kind == ACK else "a goodbye", rid.hex())
+        if w is None and msg.kind == BYE:  # (also after its connection's end was already seen)
+            log.debug("zmq sender ignored a goodbye from peer %s, which is not a known worker", rid.hex())
+        elif w is None:
+            log.warning("zmq sender ignored an ack from peer %s, which has not said hello", rid.hex())
         elif msg.kind == ACK:
             self._events.append(Acked(w, msg.data))
         elif msg.kind == BYE:
