@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
 from .wire import FLAG_FD, NONCE_BYTES, FrameReader, Kind, Slot, encode, mac, make_socket, sockaddr
@@ -114,6 +115,8 @@ class MpSender(SenderEndpoint):
                       and s.tensor.data_ptr() == buffer.data_ptr()), None)
         if index is None:
             raise TransportError("mp: publish() got a buffer that acquire() did not return")
+        if len(header) > MAX_HEADER_BYTES:
+            raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
             self.latest = index
             for w in workers:

@@ -1,0 +1,7 @@
+"""The whole wsync conformance suite against ``mp``."""
+
+from wsync_conformance import TransportSuite
+
+
+class TestMpConformance(TransportSuite):
+    transport = "mp"
