@@ -29,7 +29,7 @@ _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVE
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     tensor: torch.Tensor
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
