@@ -193,8 +193,10 @@ class _Sender(SenderEndpoint):
         for name in names:
             if m := _ACK.fullmatch(name):
                 path = os.path.join(self.dir, name)
-                data = _read(path, MAX_ACK_BYTES)
-                _unlink(path)
+                try:
+                    data = _read(path, MAX_ACK_BYTES)
+                finally:  # an oversized ack raises once, then is gone
+                    _unlink(path)
                 if data is not None:
                     events.append(Acked(int(m[1]), data))
         events += [Left(w, f"hello-{w} is gone or its process died ({data.decode(errors='replace')})")
@@ -291,24 +293,16 @@ class _Receiver(ReceiverEndpoint):
         self.free = []
 
 
-def _flag(value: bool | str) -> bool:
-    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off", "1", "true", "yes", "on"):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"checksum must be a bool, got {value!r}")
-
-
 class FilesTransport(Transport):
     """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
 
     name = "files"
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
 
-    def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool | str = True) -> None:
+    def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:
         if directory is None:
             raise ValueError("the files transport needs directory=<a folder every side can reach>")
-        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=_flag(checksum))
+        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=bool(checksum))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)
