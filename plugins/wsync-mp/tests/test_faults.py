@@ -198,13 +198,11 @@ def test_sigkilled_sender(fork_sleeper, pool):
         commands.join_thread()
 
 
-def test_clean_sender_shutdown_returns_none(pool):
+def test_clean_sender_shutdown_returns_none():
     """After the sender shuts down cleanly, receive returns None (nothing new will come)."""
     scheme = WeightSyncScheme("mp", timeout=TIMEOUT)
-    p = pool()
-    blob = pickle.dumps(scheme)
     model = fw.make_model()
-    sender = pickle.loads(blob)
+    sender = pickle.loads(pickle.dumps(scheme))
     sender.init_on_sender(weights=model, num_workers=1)
     thread = threading.Thread(target=sender.connect)
     thread.start()
