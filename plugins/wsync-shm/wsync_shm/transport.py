@@ -134,6 +134,7 @@ class _Sender(SenderEndpoint):
             slot.unlink()
             slot.close()
         self._slots = []
+        self._acquired = self._latest = None
         for conn in list(self._conns.values()):
             conn.sock.close()
         self._conns.clear()
@@ -186,6 +187,8 @@ class _Sender(SenderEndpoint):
         return self._slots[index].payload
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        if self._selector is None:
+            raise TransportError(f"the shm sender {self._name!r} is closed")
         index = next((i for i, s in enumerate(self._slots) if s.payload is buffer), None)
         if index is None:
             raise TransportError("publish() got a buffer that acquire() did not return")
@@ -211,6 +214,8 @@ class _Sender(SenderEndpoint):
     # -- the socket side --------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
         """Handle socket activity, waiting up to ``timeout`` seconds for some."""
+        if self._selector is None:
+            raise TransportError(f"the shm sender {self._name!r} is closed")
         for key, mask in self._selector.select(timeout):
             if key.fileobj is self._listener:
                 self._accept()
@@ -345,6 +350,8 @@ class _Receiver(ReceiverEndpoint):
         self._selector.register(sock, selectors.EVENT_READ)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        if self._sock is None:
+            raise TransportError(f"worker {self._worker}: the shm receiver is closed")
         while True:
             self._read()
             if self._newest is not None:
@@ -422,7 +429,7 @@ class _Receiver(ReceiverEndpoint):
                         pass
 
     def ack(self, data: bytes) -> None:
-        if self._closed_by is not None:
+        if self._closed_by is not None or self._sock is None:
             return
         out = bytearray(wire.frame(wire.ACK, _TAKEN.pack(self._taken) + data))
         deadline = Deadline(_ACK_SEND_TIMEOUT)
