@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -365,6 +366,7 @@ def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
         lat = _time_sends(model, job["repeat"], job["warmup"], send, workers)
         peak = _status_kib("VmHWM") if tracked else None
     finally:
+        logging.getLogger("wsync").setLevel(logging.ERROR)  # workers leaving now is the plan, not news
         workers.close()
         scheme.shutdown()
     return {"latencies_s": lat, "connect_s": connect_s,
@@ -426,22 +428,23 @@ def _run_job(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     proc = ctx.Process(target=_sender_main, args=(theirs, job), name=f"wsync-bench-{job['system']}")
     proc.start()
     theirs.close()
+    reported = False
     try:
-        if mine.poll(timeout):
-            try:
-                return json.loads(mine.recv_bytes())
-            except EOFError:
-                pass
+        if not mine.poll(timeout):
+            return {"error": f"timed out after {timeout:g} s (sender and workers ended)"}
+        reported = True
+        try:
+            return json.loads(mine.recv_bytes())
+        except EOFError:
             proc.join(timeout=30)
             return {"error": f"sender process exited with code {proc.exitcode} before reporting"}
-        return {"error": f"timed out after {timeout:g} s (sender and workers ended)"}
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive() or proc.exitcode is None:
-            _kill_group(proc.pid)
-            proc.join(timeout=5)
-        else:
-            _kill_group(proc.pid)  # workers left behind by a sender that exited
+        if reported:
+            proc.join(timeout=30)  # a sender that reported cleans up and exits by itself
+        _kill_group(proc.pid)  # the sender if it overran, and any worker it left behind
+        if proc.is_alive():  # ended before it made its own process group
+            proc.kill()
+        proc.join(timeout=10)
         mine.close()
 
 
@@ -603,17 +606,11 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
     try:
         for nbytes in config.sizes:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
-            memcpy_row = None
-            for name in floors:
-                bar.step(f"{name} {format_size(nbytes)}")
-                fn = memcpy_floor if name == "memcpy" else tcp_floor
-                row = Row(name, "floor", nbytes, None)
-                try:
-                    row.latencies_s = fn(nbytes, config.repeat)
-                except OSError as exc:
-                    row.error = f"{type(exc).__name__}: {exc}"
-                rows.append(row)
-                memcpy_row = memcpy_row or row
+            floor_rows = [Row(name, "floor", nbytes, None) for name in floors]
+            rows += floor_rows
+            for row in floor_rows:  # half the floor's samples before the systems ...
+                bar.step(f"{row.system} {format_size(nbytes)}")
+                _measure_floor(row, config.repeat)
                 bar.advance()
             for system, kind in systems:
                 bar.step(f"{system} {format_size(nbytes)} x{config.workers}")
@@ -630,6 +627,8 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
                             setattr(row, key, result[key])
                 rows.append(row)
                 bar.advance()
+            for row in floor_rows:  # ... and half after, so a noisy spell weighs on both sides
+                _measure_floor(row, config.repeat)
     finally:
         bar.close()
     floor = {r.nbytes: r.median_s for r in rows if r.system == "memcpy"}
@@ -637,6 +636,15 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         if r.median_s and floor.get(r.nbytes):
             r.x_memcpy = r.median_s / floor[r.nbytes]
     return Report(config, machine_info(), rows)
+
+
+def _measure_floor(row: Row, repeat: int) -> None:
+    if row.error is not None:
+        return
+    try:
+        row.latencies_s += (memcpy_floor if row.system == "memcpy" else tcp_floor)(row.nbytes, repeat)
+    except OSError as exc:
+        row.error = f"{type(exc).__name__}: {exc}"
 
 
 def _job_timeout(config: BenchConfig, nbytes: int) -> float:

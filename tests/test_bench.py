@@ -1,0 +1,79 @@
+"""A smoke run of ``wsync bench``: tiny sizes, two repeats; figures are checked for shape, never for speed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsync_core import bench, list_transports
+from wsync_core.cli import main as cli_main
+
+
+def _installed(name: str) -> bool:
+    return any(i.name == name and not i.error for i in list_transports())
+
+
+@pytest.mark.parametrize("text, nbytes", [("10KiB", 10240), ("64MiB", 64 << 20), ("1.5GiB", 3 << 29),
+                                          ("1MB", 10**6), ("4096", 4096), (" 2 kib ", 2048)])
+def test_parse_size(text: str, nbytes: int) -> None:
+    assert bench.parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "ten", "12XB", "2"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="bad size"):
+        bench.parse_size(text)
+
+
+def test_format_size() -> None:
+    assert [bench.format_size(n) for n in (10240, 512 << 20, 3 << 29, 100)] == ["10KiB", "512MiB", "1.5GiB", "100B"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(min_value=4, max_value=4 << 20))
+def test_model_holds_exactly_the_bytes_asked(nbytes: int) -> None:
+    model = bench.build_model(nbytes)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert sum(t.numel() * t.element_size() for t in tensors) == nbytes // 4 * 4
+    assert all(t.numel() > 0 for t in tensors)
+
+
+def test_cli_smoke(tmp_path, capsys) -> None:
+    """Threads (inproc), processes (mp, when installed) and a missing transport, end to end."""
+    systems = ["inproc"] + [t for t in ("mp",) if _installed(t)]
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = cli_main(["bench", "--transports", ",".join([*systems, "nosuch"]), "--sizes", "8KiB",
+                   "--workers", "2", "--repeat", "2", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 1  # "nosuch" is not installed: its rows carry the error, the others still run
+    table = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["machine"]["cores"] >= 1 and data["machine"]["torch"] and "inproc" in data["machine"]["transports"]
+    rows = {(r["system"], r["size"]): r for r in data["rows"]}
+    for size in ("8KiB",):
+        assert len(rows["memcpy", size]["latencies_s"]) >= 5
+        for system in systems:
+            row = rows[system, size]
+            assert row["error"] is None, row["error"]
+            assert len(row["latencies_s"]) == 2 and row["workers"] == 2
+            assert row["p10_s"] <= row["median_s"] <= row["p90_s"] and row["x_memcpy"] > 0
+            assert f"| {system}" in table
+        assert "no transport named 'nosuch'" in rows["nosuch", size]["error"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not multiprocessing.active_children()
+
+
+def test_overrunning_job_is_ended_and_reported() -> None:
+    report = bench.run(bench.BenchConfig(["inproc"], [4096], repeat=1, job_timeout=0.5), progress=False)
+    (row,) = [r for r in report.rows if r.system == "inproc"]
+    assert row.error is not None and "timed out after 0.5 s" in row.error
+    assert not multiprocessing.active_children()
+
+
+def test_bad_arguments_exit_2(capsys) -> None:
+    assert cli_main(["bench", "--sizes", "lots"]) == 2
+    assert cli_main(["bench", "--compare", "ray"]) == 2
+    assert "bad size" in capsys.readouterr().err
