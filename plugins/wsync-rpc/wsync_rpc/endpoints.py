@@ -1,0 +1,326 @@
+"""The sender and receiver endpoints, and the process-wide RPC agent they share.
+
+Every message is a TorchScript function whose body is a ``wsync_rpc::`` operator implemented
+here in Python: RPC carries its arguments (ints and tensors) with TorchScript's own tensor
+serializer, so wsync's traffic never goes through Python's pickle.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import logging
+import os
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import api as rpc_api
+from wsync_core import (
+    Acked,
+    Deadline,
+    Delivery,
+    Joined,
+    Left,
+    ReceiverContext,
+    ReceiverEndpoint,
+    SenderContext,
+    SenderEndpoint,
+    TransportError,
+    WorkerTimeoutError,
+)
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import Event
+
+__all__ = ["RpcSender", "RpcReceiver", "SENDER", "worker_name"]
+
+log = logging.getLogger("wsync.rpc")
+
+SENDER = "wsync-sender"
+
+
+def worker_name(worker: int) -> str:
+    """The RPC name of worker ``worker`` (rank ``worker + 1``)."""
+    return f"wsync-worker-{worker}"
+
+
+# -- what arrives, per process (one RPC agent per process) ------------------------------------
+_cond = threading.Condition()
+_mailbox: list[tuple[bytes, torch.Tensor]] = []  # receiver: the newest delivery only
+_events: deque[Event] = deque()  # sender: joins, acks and leaves
+_owner: list[object] = []  # the endpoint that holds this process's RPC agent
+
+
+def _deliver_impl(header: torch.Tensor, payload: torch.Tensor) -> int:
+    if header.numel() > MAX_HEADER_BYTES:
+        return 0
+    with _cond:
+        if not _owner or not isinstance(_owner[0], RpcReceiver):
+            return 0
+        _mailbox[:] = [(header.numpy().tobytes(), payload)]
+        _cond.notify_all()
+    return 1
+
+
+def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
+    with _cond:
+        if not _owner or not isinstance(_owner[0], RpcSender) or not 0 <= worker < _owner[0].num_workers:
+            return 0
+        if kind == 0:
+            _events.append(Joined(worker))
+        elif kind == 1 and data.numel() <= MAX_ACK_BYTES:
+            _events.append(Acked(worker, data.numpy().tobytes()))
+        elif kind == 2:
+            _events.append(Left(worker, "receiver shut down"))
+        _cond.notify_all()
+    return 1
+
+
+_lib = torch.library.Library("wsync_rpc", "DEF")
+_lib.define("deliver(Tensor header, Tensor payload) -> int")
+_lib.define("event(int kind, int worker, Tensor data) -> int")
+_lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
+_lib.impl("event", _event_impl, "CompositeExplicitAutograd")
+
+
+@torch.jit.script
+def _deliver(header: torch.Tensor, payload: torch.Tensor) -> int:
+    return torch.ops.wsync_rpc.deliver(header, payload)
+
+
+@torch.jit.script
+def _event(kind: int, worker: int, data: torch.Tensor) -> int:
+    return torch.ops.wsync_rpc.event(kind, worker, data)
+
+
+_JOIN, _ACK, _LEAVE = 0, 1, 2
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8) if len(data) < 64 else \
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+# -- the agent ----------------------------------------------------------------------------------
+def _ifname_of(address: str) -> str | None:
+    """The name of this host's interface holding IPv4 ``address`` (Linux), or None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def _bind_interface(host: str, port: int) -> None:
+    """Make TensorPipe listen on the interface that routes to ``host`` (loopback for loopback),
+    unless the user chose one with ``TP_SOCKET_IFNAME``."""
+    if "TP_SOCKET_IFNAME" in os.environ:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), port))  # UDP: nothing is sent, a route is chosen
+        local = s.getsockname()[0]
+    name = _ifname_of(local)
+    if name is not None:
+        os.environ["TP_SOCKET_IFNAME"] = name
+
+
+def _init_dist_autograd(rank: int) -> None:
+    """RPC needs distributed autograd's container; wsync never uses it. A process keeps the id of
+    its first agent (a reused process may later be another rank: that is harmless here)."""
+    try:
+        dist_autograd._init(rank)
+    except RuntimeError as exc:
+        if "already initialized" not in str(exc):
+            raise
+
+
+def _joined_key(worker: int) -> str:
+    return f"wsync-rpc/joined/{worker}"
+
+
+class _Agent:
+    """This process's RPC agent for one endpoint: a TCP store and ``rpc`` initialised on it."""
+
+    def __init__(self, owner: object, options: dict[str, Any], name: str, rank: int, deadline: Deadline) -> None:
+        with _cond:
+            if _owner or rpc_api._is_current_rpc_agent_set():
+                raise TransportError("rpc: this process already runs an RPC agent (one per process: a process "
+                                     "cannot be two wsync rpc endpoints, nor join another RPC group)")
+            _owner.append(owner)
+            _mailbox.clear()
+            _events.clear()
+        self.host, self.port, self.world = options["host"], options["port"], options["world_size"]
+        self.timeout = options["rpc_timeout"]
+        self.store: dist.TCPStore | None = None
+        self.started = False
+        try:
+            self._start(name, rank, deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name: str, rank: int, deadline: Deadline) -> None:
+        wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
+        master = rank == 0
+        try:
+            self.store = dist.TCPStore(self.host, self.port, None, master, wait, wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:
+            what = "host the rendezvous store at" if master else "reach the sender's store at"
+            raise TransportError(f"rpc: {name} cannot {what} {self.host}:{self.port} within {wait.total_seconds():g} s: "
+                                 f"{_brief(exc)}") from exc
+        if not master:
+            self.store.set(_joined_key(rank - 1), b"1")
+        _bind_interface(self.host, self.port)
+        opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
+        self.store.set_timeout(timedelta(seconds=max(0.05, deadline.remaining())))
+        _init_dist_autograd(rank)
+        try:
+            rpc._init_rpc_backend(rpc.BackendType.TENSORPIPE, dist.PrefixStore("wsync-rpc/agent", self.store),
+                                  name, rank, self.world, opts)
+        except (RuntimeError, OSError) as exc:
+            if master:
+                missing = self.missing()
+                if missing:
+                    raise WorkerTimeoutError(f"rpc: workers {missing} did not join the RPC group at {self.host}:"
+                                             f"{self.port} within {deadline.timeout:g} s (RPC needs all "
+                                             f"{self.world - 1} workers at start)", missing) from exc
+            raise TransportError(f"rpc: {name} could not start its RPC agent with world_size={self.world} at "
+                                 f"{self.host}:{self.port}: {_brief(exc)}") from exc
+        self.started = True
+        self.store.set_timeout(timedelta(seconds=self.timeout))
+
+    def missing(self) -> list[int]:
+        """Workers that never reached the store (sender only)."""
+        try:
+            return [w for w in range(self.world - 1) if not self.store.check([_joined_key(w)])]
+        except RuntimeError:
+            return list(range(self.world - 1))
+
+    def close(self) -> None:
+        if self.started or rpc_api._is_current_rpc_agent_set():
+            self.started = False
+            try:
+                rpc.shutdown(graceful=False)
+            except RuntimeError as exc:
+                log.warning("rpc: shutting down the RPC agent: %s", _brief(exc))
+        self.store = None
+        with _cond:
+            _owner.clear()
+            _mailbox.clear()
+            _events.clear()
+            _cond.notify_all()
+
+
+def _brief(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+# -- endpoints ---------------------------------------------------------------------------------
+class RpcSender(SenderEndpoint):
+    def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
+        self.options = options
+        self.nbytes = ctx.layout.nbytes
+        self.num_workers = ctx.num_workers
+        self.timeout = options["rpc_timeout"]
+        self.agent: _Agent | None = None
+        self.inflight: dict[int, int] = {}  # worker -> deliveries not yet answered
+
+    def open(self, deadline: Deadline) -> None:
+        self.agent = _Agent(self, self.options, SENDER, 0, deadline)
+
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        # a fresh buffer: RPC may still be reading an older one while it sends
+        return torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        if self.agent is None:
+            raise TransportError("rpc: publish() before open() or after close()")
+        head = _as_tensor(bytes(header))
+        for w in workers:
+            try:
+                fut = rpc.rpc_async(worker_name(w), _deliver, args=(head, buffer), timeout=self.timeout)
+            except RuntimeError as exc:
+                self._left(w, f"cannot send to {worker_name(w)}: {_brief(exc)}")
+                continue
+            fut.add_done_callback(lambda f, w=w: self._sent(w, f))
+
+    def _sent(self, worker: int, fut: torch.futures.Future) -> None:
+        try:
+            fut.wait()
+        except RuntimeError as exc:
+            self._left(worker, f"delivery to {worker_name(worker)} failed: {_brief(exc)}")
+
+    def _left(self, worker: int, reason: str) -> None:
+        with _cond:
+            if _owner and _owner[0] is self:
+                _events.append(Left(worker, reason))
+                _cond.notify_all()
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        with _cond:
+            while not _events and not deadline.expired():
+                _cond.wait(deadline.slice(1.0))
+            events = list(_events)
+            _events.clear()
+        return events
+
+    def close(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is not None:
+            agent.close()
+
+
+class RpcReceiver(ReceiverEndpoint):
+    def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
+        self.options = options
+        self.worker = ctx.worker_idx
+        self.timeout = options["rpc_timeout"]
+        self.agent: _Agent | None = None
+
+    def open(self, deadline: Deadline) -> None:
+        self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
+        self._tell(_JOIN, b"", wait=True)
+
+    def _tell(self, kind: int, data: bytes, wait: bool = False) -> None:
+        try:
+            fut = rpc.rpc_async(SENDER, _event, args=(kind, self.worker, _as_tensor(data)), timeout=self.timeout)
+            if wait:
+                fut.wait()
+        except RuntimeError as exc:
+            raise TransportError(f"rpc: {worker_name(self.worker)} cannot reach {SENDER}: {_brief(exc)}") from exc
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        with _cond:
+            while not _mailbox and not deadline.expired():
+                _cond.wait(deadline.slice(1.0))
+            if not _mailbox:
+                return None
+            header, payload = _mailbox.pop()
+        return Delivery(header, payload)
+
+    def ack(self, data: bytes) -> None:
+        if self.agent is None:
+            raise TransportError(f"rpc: {worker_name(self.worker)}: ack() before open() or after close()")
+        self._tell(_ACK, bytes(data))
+
+    def close(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is None:
+            return
+        try:
+            self._tell(_LEAVE, b"", wait=True)
+        except TransportError as exc:
+            log.debug("rpc: goodbye not delivered: %s", exc)
+        agent.close()

@@ -1,0 +1,74 @@
+"""``RpcTransport``: options of the ``rpc`` transport and the endpoints it builds.
+
+The sender is RPC worker ``wsync-sender`` (rank 0), worker ``i`` is ``wsync-worker-<i>``
+(rank ``i + 1``); all ranks meet at a TCP store on ``host:port`` that the sender hosts.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch.distributed.rpc as rpc
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport
+
+__all__ = ["RpcTransport"]
+
+if not rpc.is_available():  # the plugin then fails to load, and `wsync transports` shows why
+    raise ImportError("wsync-rpc: this torch build has no torch.distributed.rpc (rpc.is_available() is False)")
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            raise ValueError(f"rpc: cannot pick a free port on host {host!r} ({exc}); pass port=") from None
+        return s.getsockname()[1]
+
+
+class RpcTransport(Transport):
+    """Weights pushed over torch.distributed.rpc (TensorPipe) to receivers registered by name.
+
+    Options: ``host`` and ``port`` of the rendezvous store the sender hosts (default 127.0.0.1
+    and a free port, resolved once so every copy meets there), ``world_size`` (num_workers + 1;
+    filled in by the sender, required by receivers started on their own), ``rpc_timeout``
+    (seconds for every RPC), ``checksum``. One RPC agent per process: a process hosts one
+    endpoint at a time.
+    """
+
+    name = "rpc"
+    capabilities = Capabilities(processes=True, multi_host=True, cuda=False, zero_copy=False, async_send=True,
+                                subset_send=True, late_join=False, auth=False)
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, world_size: int | None = None,
+                 rpc_timeout: float = 60.0, checksum: bool = False) -> None:
+        if not float(rpc_timeout) > 0:
+            raise ValueError(f"rpc: rpc_timeout must be > 0, got {rpc_timeout!r}")
+        if world_size is not None and not (isinstance(world_size, int) and world_size >= 2):
+            raise ValueError(f"rpc: world_size must be an int >= 2 (num_workers + 1), got {world_size!r}")
+        super().__init__(host=str(host), port=int(port) if port else _free_port(str(host)), world_size=world_size,
+                         rpc_timeout=float(rpc_timeout), checksum=bool(checksum))
+
+    def sender(self, ctx: SenderContext):
+        from .endpoints import RpcSender
+
+        world = self.options["world_size"]
+        if world is None:  # receivers learn it from the pickled copy of this transport
+            self.options["world_size"] = world = ctx.num_workers + 1
+        if world != ctx.num_workers + 1:
+            raise ValueError(f"rpc: world_size={world} but num_workers={ctx.num_workers}; "
+                             f"world_size must be num_workers + 1 (the sender is rank 0)")
+        return RpcSender(self.options, ctx)
+
+    def receiver(self, ctx: ReceiverContext):
+        from .endpoints import RpcReceiver
+
+        world = self.options["world_size"]
+        if world is None:
+            raise ValueError("rpc: a receiver needs world_size (num_workers + 1); pass world_size= or use the "
+                             "sender's pickled scheme")
+        if ctx.worker_idx + 1 >= world:
+            raise ValueError(f"rpc: worker_idx {ctx.worker_idx} does not fit world_size={world}")
+        return RpcReceiver(self.options, ctx)
+
