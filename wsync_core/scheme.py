@@ -226,7 +226,7 @@ class WeightSyncScheme:
             endpoint.close()
             raise
         self._endpoint = endpoint
-        self._finalizer = weakref.finalize(self, endpoint.close)
+        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
@@ -609,6 +609,13 @@ class WeightSyncScheme:
             self._source = None
             self._latest = None
             self._state = _State.CLOSED
+
+
+def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock) -> None:
+    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held."""
+    stop_service.set()
+    with lock:
+        endpoint.close()
 
 
 def _release(delivery: Delivery) -> None:
