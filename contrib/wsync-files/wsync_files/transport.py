@@ -72,9 +72,11 @@ def _write(directory: str, name: str, data: bytes | memoryview) -> None:
         with open(tmp, "xb") as f:
             f.write(data)
         os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise TransportError(f"cannot write {name} in {directory}: {exc}") from exc
         raise
 
 
@@ -85,9 +87,28 @@ def _read(path: str, limit: int) -> bytes | None:
             data = f.read(limit + 1)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise TransportError(f"cannot read {path}: {exc}") from exc
     if len(data) > limit:
         raise TransportError(f"{path} holds more than {limit} bytes; is something else writing to this directory?")
     return data
+
+
+def _mkdir(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise TransportError(f"cannot create the files transport's directory: {exc}") from exc
+
+
+def _listdir(directory: str, closing: bool = False) -> list[str]:
+    """The names in ``directory``, sorted; when ``closing``, [] if it is gone (nothing left to remove)."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError as exc:
+        if closing:
+            return []
+        raise TransportError(f"cannot list the files transport's directory: {exc}") from exc
 
 
 def _unlink(path: str) -> None:
@@ -131,12 +152,12 @@ class _Sender(SenderEndpoint):
         self.opened = False
 
     def open(self, deadline: Deadline) -> None:
-        os.makedirs(self.dir, exist_ok=True)
+        _mkdir(self.dir)
         claim = os.path.join(self.dir, "sender")
         tmp = os.path.join(self.dir, f".tmp-sender-{self.token}")
-        with open(tmp, "xb") as f:
-            f.write(self.me)
         try:
+            with open(tmp, "xb") as f:
+                f.write(self.me)
             for _ in range(2):
                 try:
                     os.link(tmp, claim)  # atomic and exclusive, also on NFS
@@ -147,10 +168,12 @@ class _Sender(SenderEndpoint):
                         raise TransportError(f"{self.dir} already has a sender ({other.decode(errors='replace')}); "
                                              f"if it is gone, remove {claim}") from None
                     _unlink(claim)
+        except OSError as exc:
+            raise TransportError(f"cannot claim {claim}: {exc}") from exc
         finally:
             _unlink(tmp)
         self.opened = True
-        for name in os.listdir(self.dir):  # leftovers of a sender that died
+        for name in _listdir(self.dir):  # leftovers of a sender that died
             if name.startswith(("to-", "payload-", "ack-")):
                 _unlink(os.path.join(self.dir, name))
         self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
@@ -184,7 +207,7 @@ class _Sender(SenderEndpoint):
         return _poll(deadline, self._scan) or []
 
     def _scan(self) -> list[Event]:
-        names = sorted(os.listdir(self.dir))
+        names = _listdir(self.dir)
         hellos: dict[int, bytes] = {}
         for name in names:
             if (m := _HELLO.fullmatch(name)) and (data := _read(os.path.join(self.dir, name), 256)) and _alive(data):
@@ -208,7 +231,7 @@ class _Sender(SenderEndpoint):
         if not self.opened:
             return
         self.opened = False
-        for name in os.listdir(self.dir):
+        for name in _listdir(self.dir, closing=True):
             path = os.path.join(self.dir, name)
             if _ACK.fullmatch(name):
                 _unlink(path)
@@ -232,12 +255,12 @@ class _Receiver(ReceiverEndpoint):
         self.opened = False
 
     def open(self, deadline: Deadline) -> None:
-        os.makedirs(self.dir, exist_ok=True)
+        _mkdir(self.dir)
         other = _read(self.hello, 256)
         if other and _alive(other):
             raise TransportError(f"{self.dir} already has a worker {self.worker} "
                                  f"({other.decode(errors='replace')})")
-        for name in os.listdir(self.dir):  # a previous run's acks, and a mailbox the sender wrote for it
+        for name in _listdir(self.dir):  # a previous run's acks, and a mailbox the sender wrote for it
             if (m := _ACK.fullmatch(name)) and int(m[1]) == self.worker or name == f"to-{self.worker}":
                 _unlink(os.path.join(self.dir, name))
         _write(self.dir, f"hello-{self.worker}", self.me)
@@ -287,7 +310,7 @@ class _Receiver(ReceiverEndpoint):
         if _read(self.hello, 256) == self.me:
             _unlink(self.hello)
         if not os.path.exists(os.path.join(self.dir, "sender")):  # else the sender reads, then removes them
-            for name in os.listdir(self.dir):
+            for name in _listdir(self.dir, closing=True):
                 if (m := _ACK.fullmatch(name)) and int(m[1]) == self.worker:
                     _unlink(os.path.join(self.dir, name))
         self.free = []
