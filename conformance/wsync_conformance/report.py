@@ -48,9 +48,12 @@ class Collector:
         if report.when == "call" or report.failed or report.skipped:
             status = "failed" if report.failed else "skipped" if report.skipped else "passed"
             blamed = names
-            if report.failed and call.excinfo is not None and isinstance(call.excinfo.value, GuaranteeViolation):
-                if call.excinfo.value.guarantee in names:
-                    blamed = [call.excinfo.value.guarantee]
+            if report.failed and len(names) > 1:
+                # a test proving several guarantees names the broken one; any other error counts
+                # against the first it is marked with
+                error = call.excinfo.value if call.excinfo is not None else None
+                named = isinstance(error, GuaranteeViolation) and error.guarantee in names
+                blamed = [error.guarantee] if named else names[:1]
             prior = self.outcomes.get(item.nodeid)
             if prior is None or prior.status != "failed":
                 self.outcomes[item.nodeid] = Outcome(test, status, _reason(report, call), blamed)

@@ -62,14 +62,33 @@ class LifecycleMachine(RuleBasedStateMachine):
         if targets is not None and not self.ctx.caps.subset_send:
             targets = None
         expected = self._snapshot()
+        error = None
         with self.s.following() as reports:
-            v = self.s.scheme.send(worker_ids=targets)
-        self._sent(v, expected, targets)
+            try:
+                v = self.s.scheme.send(worker_ids=targets)
+            except WorkerTimeoutError as exc:
+                error = exc
         for w, r in reports.items():
             if r.get("errors"):
                 raise AssertionError(f"worker {w} raised while receiving: {r['errors'][0]}")
+            stray = [a for a in r.get("applied", []) if a > self.published[w] and targets is not None
+                     and w not in targets]
+            if stray:
+                raise violated("targeted", f"worker {w} applied version {stray} that was sent to {targets}")
+        if error is not None:
+            self._blame(error, self.version + 1)
+        self._sent(v, expected, targets)
+        for w, r in reports.items():
             self.held[w] = max([self.held[w], *r.get("applied", [])])
         self.pending.clear()  # a later ack completes every earlier send
+
+    def _blame(self, exc: WorkerTimeoutError, version: int) -> None:
+        """Name the guarantee a timed-out send to receiving workers breaks."""
+        for w in exc.workers:
+            if self.s.workers[w].snapshot()["version"] >= version:
+                raise violated("versioned", f"worker {w} applied version {version} but its ack never completed "
+                                            f"the send: {exc}") from exc
+        raise violated("live", f"workers {exc.workers} were receiving but did not get version {version}: {exc}") from exc
 
     def _sent(self, v: int, expected: dict[str, str], targets: list[int] | None) -> None:
         if v != self.version + 1:
@@ -95,7 +114,11 @@ class LifecycleMachine(RuleBasedStateMachine):
     def wait_async(self) -> None:
         with self.s.following() as reports:
             for handle in self.pending:
-                if handle.wait() != handle.version:
+                try:
+                    done = handle.wait()
+                except WorkerTimeoutError as exc:
+                    self._blame(exc, handle.version)
+                if done != handle.version:
                     raise violated("versioned", "SendHandle.wait() returned another version")
         for w, r in reports.items():
             self.held[w] = max([self.held[w], *r.get("applied", [])])
