@@ -279,6 +279,7 @@ class WeightSyncScheme:
     def _serve(ref: weakref.ref, stop: threading.Event) -> None:
         """Between calls, keep answering the transport: late joiners get the latest version and
         acks of asynchronous sends are collected, without waiting for the next send()."""
+        last_error = ""
         while not stop.wait(_SERVICE_INTERVAL):
             scheme = ref()
             if scheme is None:
@@ -287,8 +288,11 @@ class WeightSyncScheme:
                 try:
                     if scheme._state is _State.SENDER_CONNECTED:
                         scheme._pump(Deadline(0.0))
-                except WsyncError as exc:
-                    log.warning("sender service: %s", exc)
+                        last_error = ""
+                except WsyncError as exc:  # the next call on the scheme raises it; say it once here
+                    if str(exc) != last_error:
+                        log.warning("sender service: %s", exc)
+                    last_error = str(exc)
                 finally:
                     scheme._lock.release()
             del scheme
