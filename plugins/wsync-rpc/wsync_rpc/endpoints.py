@@ -35,7 +35,6 @@ from wsync_core import (
     SenderContext,
     SenderEndpoint,
     TransportError,
-    WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.transport import Event
@@ -146,12 +145,21 @@ def _init_dist_autograd(rank: int) -> None:
             raise
 
 
+def _start_agent(store: dist.Store, name: str, rank: int, world: int, opts: rpc.TensorPipeRpcBackendOptions) -> None:
+    """``rpc.init_rpc`` for a static CPU group, without its warm-up round: that round is a Python
+    UDF every peer unpickles, and wsync's own first message (a worker's join) warms the channels.
+    Names and addresses are exchanged through ``store``, bounded by its timeout."""
+    agent = rpc.TensorPipeAgent(store, name, rank, world, opts, {}, [])
+    rpc_api._init_rpc_states(agent)
+
+
 def _joined_key(worker: int) -> str:
     return f"wsync-rpc/joined/{worker}"
 
 
 class _Agent:
-    """This process's RPC agent for one endpoint: a TCP store and ``rpc`` initialised on it."""
+    """This process's RPC agent for one endpoint: a TCP store (the sender hosts it) and an RPC
+    agent started on it once every rank is there."""
 
     def __init__(self, owner: object, options: dict[str, Any], name: str, rank: int, deadline: Deadline) -> None:
         with _cond:
@@ -161,52 +169,42 @@ class _Agent:
             _owner.append(owner)
             _mailbox.clear()
             _events.clear()
+        self.name, self.rank = name, rank
         self.host, self.port, self.world = options["host"], options["port"], options["world_size"]
         self.timeout = options["rpc_timeout"]
-        self.store: dist.TCPStore | None = None
         self.started = False
-        try:
-            self._start(name, rank, deadline)
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, name: str, rank: int, deadline: Deadline) -> None:
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
         try:
-            self.store = dist.TCPStore(self.host, self.port, None, master, wait, wait_for_workers=False)
+            self.store: dist.TCPStore | None = dist.TCPStore(self.host, self.port, None, master, wait,
+                                                             wait_for_workers=False)
         except (RuntimeError, OSError) as exc:
+            self.close()
             what = "host the rendezvous store at" if master else "reach the sender's store at"
-            raise TransportError(f"rpc: {name} cannot {what} {self.host}:{self.port} within {wait.total_seconds():g} s: "
-                                 f"{_brief(exc)}") from exc
-        if not master:
-            self.store.set(_joined_key(rank - 1), b"1")
+            raise TransportError(f"rpc: {name} cannot {what} {self.host}:{self.port} within "
+                                 f"{wait.total_seconds():g} s: {_brief(exc)}") from exc
+
+    def joined(self) -> list[int]:
+        """Workers that reached the store (they then start their agents)."""
+        return [w for w in range(self.world - 1) if self.store.check([_joined_key(w)])]
+
+    def start(self, wait_s: float) -> None:
+        """Start this process's RPC agent; every rank must start within ``wait_s`` seconds."""
+        if self.rank:
+            self.store.set(_joined_key(self.rank - 1), b"1")
         _bind_interface(self.host, self.port)
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
-        self.store.set_timeout(timedelta(seconds=max(0.05, deadline.remaining())))
-        _init_dist_autograd(rank)
+        self.store.set_timeout(timedelta(seconds=max(0.05, wait_s)))
+        _init_dist_autograd(self.rank)
         try:
-            rpc._init_rpc_backend(rpc.BackendType.TENSORPIPE, dist.PrefixStore("wsync-rpc/agent", self.store),
-                                  name, rank, self.world, opts)
+            _start_agent(dist.PrefixStore("wsync-rpc/agent", self.store), self.name, self.rank, self.world, opts)
         except (RuntimeError, OSError) as exc:
-            if master:
-                missing = self.missing()
-                if missing:
-                    raise WorkerTimeoutError(f"rpc: workers {missing} did not join the RPC group at {self.host}:"
-                                             f"{self.port} within {deadline.timeout:g} s (RPC needs all "
-                                             f"{self.world - 1} workers at start)", missing) from exc
-            raise TransportError(f"rpc: {name} could not start its RPC agent with world_size={self.world} at "
-                                 f"{self.host}:{self.port}: {_brief(exc)}") from exc
-        self.started = True
+            raise TransportError(f"rpc: {self.name} could not start its RPC agent with world_size={self.world} at "
+                                 f"{self.host}:{self.port} within {wait_s:g} s (RPC needs every rank at start): "
+                                 f"{_brief(exc)}") from exc
+        finally:
+            self.started = rpc_api._is_current_rpc_agent_set()
         self.store.set_timeout(timedelta(seconds=self.timeout))
-
-    def missing(self) -> list[int]:
-        """Workers that never reached the store (sender only)."""
-        try:
-            return [w for w in range(self.world - 1) if not self.store.check([_joined_key(w)])]
-        except RuntimeError:
-            return list(range(self.world - 1))
 
     def close(self) -> None:
         if self.started or rpc_api._is_current_rpc_agent_set():
@@ -229,16 +227,43 @@ def _brief(exc: BaseException) -> str:
 
 # -- endpoints ---------------------------------------------------------------------------------
 class RpcSender(SenderEndpoint):
+    """Hosts the store at once; a short-lived thread starts the RPC agent when every worker has
+    reached the store. Deliveries published before that wait (newest per worker)."""
+
     def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
         self.options = options
         self.nbytes = ctx.layout.nbytes
         self.num_workers = ctx.num_workers
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
-        self.inflight: dict[int, int] = {}  # worker -> deliveries not yet answered
+        self.lock = threading.Lock()
+        self.ready = False
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stop = threading.Event()
+        self.starter: threading.Thread | None = None
 
     def open(self, deadline: Deadline) -> None:
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
+        self.starter = threading.Thread(target=self._start, name="wsync-rpc-start", daemon=True)
+        self.starter.start()
+
+    def _start(self) -> None:
+        agent = self.agent
+        while len(agent.joined()) < self.num_workers:
+            if self.stop.wait(0.05):
+                return
+        try:
+            agent.start(self.timeout)
+        except TransportError as exc:
+            log.warning("%s", exc)
+            for w in range(self.num_workers):
+                self._left(w, str(exc))
+            return
+        with self.lock:
+            self.ready = True
+            pending, self.pending = self.pending, {}
+        for w, (head, buffer) in pending.items():
+            self._send(w, head, buffer)
 
     def acquire(self, deadline: Deadline) -> torch.Tensor:
         # a fresh buffer: RPC may still be reading an older one while it sends
@@ -248,13 +273,20 @@ class RpcSender(SenderEndpoint):
         if self.agent is None:
             raise TransportError("rpc: publish() before open() or after close()")
         head = _as_tensor(bytes(header))
+        with self.lock:
+            if not self.ready:
+                self.pending.update((w, (head, buffer)) for w in workers)
+                return
         for w in workers:
-            try:
-                fut = rpc.rpc_async(worker_name(w), _deliver, args=(head, buffer), timeout=self.timeout)
-            except RuntimeError as exc:
-                self._left(w, f"cannot send to {worker_name(w)}: {_brief(exc)}")
-                continue
-            fut.add_done_callback(lambda f, w=w: self._sent(w, f))
+            self._send(w, head, buffer)
+
+    def _send(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
+        try:
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(head, buffer), timeout=self.timeout)
+        except RuntimeError as exc:
+            self._left(worker, f"cannot send to {worker_name(worker)}: {_brief(exc)}")
+            return
+        fut.add_done_callback(lambda f: self._sent(worker, f))
 
     def _sent(self, worker: int, fut: torch.futures.Future) -> None:
         try:
@@ -277,7 +309,14 @@ class RpcSender(SenderEndpoint):
         return events
 
     def close(self) -> None:
+        self.stop.set()
+        if self.starter is not None:
+            self.starter.join(self.timeout + 10)
+            if self.starter.is_alive():
+                log.warning("rpc: the agent start thread did not stop")
+            self.starter = None
         agent, self.agent = self.agent, None
+        self.pending.clear()
         if agent is not None:
             agent.close()
 
@@ -291,7 +330,12 @@ class RpcReceiver(ReceiverEndpoint):
 
     def open(self, deadline: Deadline) -> None:
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
-        self._tell(_JOIN, b"", wait=True)
+        try:
+            self.agent.start(deadline.remaining())
+            self._tell(_JOIN, b"", wait=True)
+        except BaseException:
+            self.close()
+            raise
 
     def _tell(self, kind: int, data: bytes, wait: bool = False) -> None:
         try:
@@ -319,8 +363,9 @@ class RpcReceiver(ReceiverEndpoint):
         agent, self.agent = self.agent, None
         if agent is None:
             return
-        try:
-            self._tell(_LEAVE, b"", wait=True)
-        except TransportError as exc:
-            log.debug("rpc: goodbye not delivered: %s", exc)
+        if agent.started:
+            try:
+                self._tell(_LEAVE, b"", wait=True)
+            except TransportError as exc:
+                log.debug("rpc: goodbye not delivered: %s", exc)
         agent.close()

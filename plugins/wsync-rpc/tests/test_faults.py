@@ -1,0 +1,76 @@
+"""Faults with real processes and a real RPC group: a worker that dies, a worker that never comes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+from wsync_core import WeightSyncScheme, WorkerTimeoutError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rpc_worker import weights  # noqa: E402
+
+
+def _sender(n: int, **options):
+    scheme = WeightSyncScheme("rpc", timeout=90.0, rpc_timeout=20.0, **options)
+    w = weights(0.0)
+    scheme.init_on_sender(weights=w, num_workers=n)
+    return scheme, w
+
+
+def test_dead_worker_is_named_and_the_others_are_updated(workers):
+    scheme, w = _sender(2)
+    opts = scheme.transport.options
+    procs = [workers({"options": opts, "idx": i, "until": 3, "run_s": 120}) for i in range(2)]
+    try:
+        scheme.connect()
+        procs[1].proc.send_signal(signal.SIGKILL)
+        procs[1].proc.wait(30)
+        for t in w.values():
+            t.fill_(1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=5.0)
+        assert info.value.workers == [1]
+        assert time.monotonic() - t0 < 5.0 + 10.0
+        for v in (2, 3):  # the scheme stays usable for the survivor
+            for t in w.values():
+                t.fill_(v)
+            assert scheme.send(worker_ids=[0]) == v
+    finally:
+        scheme.shutdown()
+    applied = [line["version"] for line in procs[0].lines() if line["event"] == "applied"]
+    assert applied[0] == 0 and applied[-1] == 3 and 1 in applied
+
+
+def test_missing_worker_is_named_at_connect(workers):
+    """RPC's world is static: every worker must join at start; connect() names the one that did not."""
+    scheme, _ = _sender(2)
+    proc = workers({"options": scheme.transport.options, "idx": 0, "timeout": 5.0})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.connect(timeout=3.0)
+        assert info.value.workers == [1]
+        assert time.monotonic() - t0 < 3.0 + 15.0
+    finally:
+        scheme.shutdown()
+    errors = [line for line in proc.lines() if line["event"] == "error"]
+    assert errors, "worker 0 connected although worker 1 never joined the RPC group"
+
+
+def test_failed_connect_frees_the_agent():
+    """A connect that times out tears the RPC agent down, so the process can host another."""
+    first, _ = _sender(1)
+    second, _ = _sender(1)
+    try:
+        with pytest.raises(WorkerTimeoutError):
+            first.connect(timeout=1.0)  # no worker comes; the agent is torn down again
+        with pytest.raises(WorkerTimeoutError):
+            second.connect(timeout=1.0)  # the process can host an agent again afterwards
+    finally:
+        first.shutdown()
+        second.shutdown()
