@@ -32,7 +32,6 @@ def main(args: argparse.Namespace) -> int:
     """Run the suite; print the table; return non-zero on any failure (or if nothing ran)."""
     import pytest
 
-    from . import profiles
     from .report import Collector, format_table
     from .target import Target, parse_options
 
@@ -43,7 +42,6 @@ def main(args: argparse.Namespace) -> int:
     except Exception as exc:  # unknown transport, bad option: say so instead of a traceback
         print(f"wsync conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    profiles.register()
     collector = Collector()
     code = pytest.main(pytest_args(args), plugins=[collector])
     results = collector.by_guarantee()

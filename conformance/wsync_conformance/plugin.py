@@ -27,6 +27,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "wsync_guarantee(*names): the wsync guarantees a conformance test proves")
+    try:
+        chosen = config.getoption("hypothesis_profile")
+    except ValueError:  # hypothesis's pytest plugin is not loaded
+        chosen = None
+    profiles.choose(chosen)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

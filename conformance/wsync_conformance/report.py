@@ -27,7 +27,7 @@ def _reason(report: pytest.TestReport, call: pytest.CallInfo) -> str:
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     if call.excinfo is not None:
         text = str(call.excinfo.value).strip() or call.excinfo.typename
-        return f"{call.excinfo.typename}: {text.splitlines()[0][:300]}"
+        return f"{call.excinfo.typename}: {' '.join(text.split())[:400]}"
     return ""
 
 
