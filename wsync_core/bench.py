@@ -232,8 +232,19 @@ def _tell(conn: Any, **msg: Any) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
 
+def _one_thread(go: Any) -> None:
+    """Worker processes run torch on one thread, as TorchRL's collectors set up theirs.
+
+    Several processes with a full intra-op thread pool each, on few cores, spend the CPU
+    spinning in idle OpenMP threads; a thread-based worker (inproc) keeps the process's setting.
+    """
+    if not isinstance(go, threading.Event):
+        torch.set_num_threads(1)
+
+
 def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
     try:
+        _one_thread(go)
         model = build_model(nbytes)
         _tell(conn, ready=worker_idx)
         if not go.wait(300):
@@ -250,6 +261,7 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any,
 
 def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
     try:
+        _one_thread(go)
         model = build_model(nbytes)
         _tell(conn, ready=worker_idx)
         if not go.wait(300):  # TorchRL's receiver waits only 10 s for its initial weights

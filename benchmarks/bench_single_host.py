@@ -1,0 +1,94 @@
+"""Single-host benchmark (issue 4): ``shm`` and ``mp`` against memcpy and TorchRL, targets checked.
+
+    .venv/bin/python benchmarks/bench_single_host.py [--sizes 10KiB,512MiB] [--repeat 10] [--json FILE]
+
+A thin layer over ``wsync_core.bench`` (the same harness as ``wsync bench``): one run with 2
+worker processes (shm, mp, TorchRL's SharedMem and MultiProcess schemes), one with shm and 8
+workers, then the issue's targets, each with the figure it was judged on. The smallest size is
+judged against the small-model targets, the largest against the large-model ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from wsync_core import bench
+
+
+def _row(report: bench.Report, system: str, nbytes: int) -> bench.Row | None:
+    return next((r for r in report.rows if r.system == system and r.nbytes == nbytes and not r.error), None)
+
+
+def _target(name: str, ok: bool | None, figure: str) -> dict[str, Any]:
+    return {"target": name, "status": {True: "met", False: "MISSED", None: "n/a"}[ok], "figure": figure}
+
+
+def check_targets(two: bench.Report, eight: bench.Report) -> list[dict[str, Any]]:
+    """Issue 4's targets against the two runs; a target whose rows are missing is 'n/a'."""
+    sizes = sorted({r.nbytes for r in two.rows})
+    small, large = sizes[0], sizes[-1]
+    s, lg = bench.format_size(small), bench.format_size(large)
+    out = []
+
+    def ratio(system: str, nbytes: int, limit: float) -> None:
+        r = _row(two, system, nbytes)
+        ok = None if r is None or r.x_memcpy is None else r.x_memcpy <= limit
+        fig = "-" if r is None else f"{r.median_s * 1e3:.2f} ms = {r.x_memcpy:.2f}x memcpy"
+        out.append(_target(f"{system} {bench.format_size(nbytes)} within {limit}x a memcpy", ok, fig))
+
+    def latency(system: str, nbytes: int, limit_ms: float) -> None:
+        r = _row(two, system, nbytes)
+        ok = None if r is None else r.median_s * 1e3 <= limit_ms
+        fig = "-" if r is None else f"{r.median_s * 1e3:.3f} ms"
+        out.append(_target(f"{system} {bench.format_size(nbytes)} within {limit_ms} ms", ok, fig))
+
+    ratio("shm", large, 1.25)
+    latency("shm", small, 0.2)
+    ratio("mp", large, 2.5)
+    mp = _row(two, "mp", large)
+    for theirs in bench.TORCHRL_SCHEMES:
+        t = _row(two, theirs, large)
+        ok = None if mp is None or t is None else mp.median_s < t.median_s
+        fig = "-" if mp is None or t is None else f"{mp.median_s * 1e3:.2f} ms vs {t.median_s * 1e3:.2f} ms"
+        out.append(_target(f"mp {lg} faster than {theirs}", ok, fig))
+    latency("mp", small, 1.0)
+    for nbytes in sizes:
+        a, b = _row(two, "shm", nbytes), _row(eight, "shm", nbytes)
+        ok = None if a is None or b is None else b.median_s <= 1.5 * a.median_s
+        fig = "-" if a is None or b is None else \
+            f"{b.median_s * 1e3:.3f} ms vs {a.median_s * 1e3:.3f} ms ({b.median_s / a.median_s:.2f}x)"
+        out.append(_target(f"shm {bench.format_size(nbytes)}: 8 workers cost about 2 (<= 1.5x)", ok, fig))
+    r = _row(two, "shm", large)
+    peak = None if r is None else r.sender_peak_above_model
+    out.append(_target(f"shm {lg}: sender memory <= 2x model above the model", None if peak is None else
+                       peak <= 2 * large, "-" if peak is None else f"{peak / 2**20:.0f} MiB ({peak / large:.2f}x)"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="10KiB,512MiB")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--json", dest="json_file", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    sizes = [bench.parse_size(s) for s in args.sizes.split(",")]
+    two = bench.run(bench.BenchConfig(["shm", "mp"], sizes, workers=2, repeat=args.repeat, compare=["torchrl"]))
+    eight = bench.run(bench.BenchConfig(["shm"], sizes, workers=8, repeat=args.repeat))
+    targets = check_targets(two, eight)
+    print("2 workers\n" + bench.format_table(two) + "\n\n8 workers\n" + bench.format_table(eight) + "\n")
+    width = max(len(t["target"]) for t in targets)
+    for t in targets:
+        print(f"{t['status']:<7} {t['target']:<{width}}  {t['figure']}")
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"two_workers": two.to_dict(), "eight_workers": eight.to_dict(), "targets": targets}, f,
+                      indent=2)
+        print(f"wrote {args.json_file}")
+    return 1 if any(r.error for rep in (two, eight) for r in rep.rows if r.kind == "wsync") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
