@@ -7,7 +7,9 @@ can at worst send a malformed message, which raises TransportError and touches n
 from __future__ import annotations
 
 import json
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,13 +17,15 @@ import torch
 
 from .errors import TransportError
 
-__all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "PROTOCOL", "crc32"]
+__all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "CRC_CHUNK", "PROTOCOL", "crc32"]
 
 PROTOCOL = 1
 #: the largest header accepted (it may carry a full layout: ~100 bytes per tensor)
 MAX_HEADER_BYTES = 32 * 1024 * 1024
 #: the largest ack accepted
 MAX_ACK_BYTES = 64 * 1024
+#: the payload is checksummed in chunks of this many bytes, one CRC32 each
+CRC_CHUNK = 16 * 1024 * 1024
 
 
 def _decode(data: bytes, limit: int, what: str) -> dict[str, Any]:
@@ -45,14 +49,22 @@ def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], what: s
     return value
 
 
-def crc32(buffer: torch.Tensor) -> int:
-    """CRC32 of a flat uint8 tensor's bytes (copied to the host first if it lives on a GPU)."""
-    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
+def crc32(buffer: torch.Tensor) -> list[int]:
+    """CRC32 of each ``CRC_CHUNK``-byte chunk of a flat uint8 tensor (copied to the host first if
+    it lives on a GPU). Chunks are summed in parallel threads: zlib releases the GIL."""
+    data = buffer.cpu().numpy().data
+    chunks = [data[i : i + CRC_CHUNK] for i in range(0, len(data), CRC_CHUNK)] or [data]
+    if len(chunks) < 3:
+        return [zlib.crc32(c) for c in chunks]
+    with ThreadPoolExecutor(max_workers=min(len(chunks), os.cpu_count() or 1),
+                            thread_name_prefix="wsync-crc") as pool:
+        return list(pool.map(zlib.crc32, chunks))
 
 
 @dataclass(frozen=True)
 class Header:
-    """What comes with every payload: version, model, layout digest, size and optional CRC32.
+    """What comes with every payload: version, model, layout digest, size and optional CRC32s
+    (one per ``CRC_CHUNK`` bytes).
 
     ``layout`` (the full sender layout, decoded JSON) is sent the first time a worker gets a
     payload, so a mismatch can be reported key by key.
@@ -62,7 +74,7 @@ class Header:
     model_id: str
     digest: str
     nbytes: int
-    crc: int | None = None
+    crc: list[int] | None = None
     layout: Any = None
 
     def encode(self) -> bytes:
@@ -78,13 +90,15 @@ class Header:
     def decode(cls, data: bytes) -> Header:
         """Parse header bytes; raises TransportError naming what is malformed."""
         obj = _decode(data, MAX_HEADER_BYTES, "header")
-        crc = obj.get("c")
-        if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool)):
-            raise TransportError(f"header field 'c' is malformed: {crc!r:.60}")
         version = _field(obj, "v", int, "header")
         nbytes = _field(obj, "n", int, "header")
         if version < 0 or nbytes < 0:
             raise TransportError(f"header has a negative version or size ({version}, {nbytes})")
+        crc = obj.get("c")
+        chunks = max(1, -(-nbytes // CRC_CHUNK))
+        if crc is not None and not (isinstance(crc, list) and len(crc) == chunks
+                                    and all(isinstance(c, int) and not isinstance(c, bool) for c in crc)):
+            raise TransportError(f"header field 'c' is malformed: {crc!r:.60} (expected {chunks} CRC32s)")
         return cls(version, _field(obj, "m", str, "header"), _field(obj, "d", str, "header"),
                    nbytes, crc, obj.get("l"))
 

@@ -511,6 +511,7 @@ class WeightSyncScheme:
     def _receive(self, deadline: Deadline) -> int | None:
         endpoint: ReceiverEndpoint = self._endpoint  # type: ignore[assignment]
         best: tuple[Delivery, Header] | None = None
+        stale = False
         delivery = endpoint.recv(deadline)
         try:
             while delivery is not None:
@@ -525,6 +526,7 @@ class WeightSyncScheme:
                         _release(best[0])
                     best = (delivery, header)
                 else:
+                    stale = True
                     _release(delivery)
                 delivery = endpoint.recv(Deadline(0.0))
         except BaseException:
@@ -532,6 +534,10 @@ class WeightSyncScheme:
                 _release(best[0])
             raise
         if best is None:
+            if stale and self._version >= 0:
+                # a re-delivery of what this worker holds (e.g. after a reconnect): the sender may
+                # still wait for that ack
+                endpoint.ack(Ack(self._worker_idx, self._version).encode())
             return None
         delivery, header = best
         try:
