@@ -9,13 +9,14 @@ and no unpickling happened in any receiver.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from wsync_core import StateError, WorkerTimeoutError
 
-from . import profiles
+from . import profiles, resources
 from .context import Context, Session, classify
 from .guarantees import violated
 from .models import digests, fill_version, version_spec
@@ -35,6 +36,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.before = resources.snapshot()
         self.s = Session(self.ctx, version_spec(), self.pool, sync=True)
         self.label = 0  # what the trainer's model holds now (every tensor filled with it)
         fill_version(self.s.model, self.label)
@@ -200,6 +202,25 @@ class LifecycleMachine(RuleBasedStateMachine):
                 raise violated("safe", f"a receiver unpickled: find_class{tuple(events[0])}")
         finally:
             self.s.close()
+        # what a transport holds for a scheme (threads and descriptors are the clean tests' job:
+        # they warm up first, so lazy initialisation is not mistaken for a leak)
+        pool = {w.pid for w in self.pool}
+        deadline = time.monotonic() + 5.0
+        while True:
+            found = _held(self.before, resources.snapshot(), pool)
+            if not found or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if found:
+            raise violated("clean", f"after shutdown the sender's process still holds: {found}")
+
+
+def _held(before: dict[str, Any], after: dict[str, Any], pool: set[int]) -> list[str]:
+    found = [f"child process {p}" for p in after["children"] if p not in before["children"] and p not in pool]
+    for key, what in (("inproc_channels", "inproc channel"), ("shm_mapped", "shared memory"),
+                      ("listening", "listening socket")):
+        found += [f"{what} {x}" for x in after[key] if x not in before[key]]
+    return found
 
 
 def run_lifecycle_machine(ctx: Context) -> None:
