@@ -119,11 +119,15 @@ class MpSender(SenderEndpoint):
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
             self.latest = index
+            stuck = False
             for w in workers:
                 conn = self.conns.get(w)
                 if conn is not None:
                     conn.pending = (index, header)
-        self._wake()
+                    self._pump(conn, from_io_thread=False)  # most often written out right here
+                    stuck = stuck or bool(conn.out)
+        if stuck:  # the I/O thread writes the rest when the socket has room
+            self._wake()
 
     def poll(self, deadline: Deadline) -> list[Event]:
         with self.cond:
@@ -209,6 +213,7 @@ class MpSender(SenderEndpoint):
                         with self.cond:
                             for conn in list(self.conns.values()):
                                 self._pump(conn)
+                                self._flush(conn)
                     else:
                         conn = key.data
                         try:
@@ -280,8 +285,8 @@ class MpSender(SenderEndpoint):
             self.conns[worker] = conn
             self._emit(Joined(worker))
 
-    def _pump(self, conn: _Conn) -> None:
-        """Queue the newest pending notification for ``conn`` if it holds fewer than _OUTSTANDING."""
+    def _pump(self, conn: _Conn, from_io_thread: bool = True) -> None:
+        """Queue the newest pending notification for ``conn`` if it holds fewer than _OUTSTANDING, and write."""
         if conn.pending is None or len(conn.held) >= _OUTSTANDING:
             return
         index, header = conn.pending
@@ -293,10 +298,10 @@ class MpSender(SenderEndpoint):
             conn.push(encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
             conn.has_fd.add(index)
         conn.held.append(index)
-        self._flush(conn)
+        self._flush(conn, from_io_thread)
 
-    def _flush(self, conn: _Conn) -> None:
-        """Write what the socket takes now; watch for writability while something is left."""
+    def _flush(self, conn: _Conn, from_io_thread: bool = True) -> None:
+        """Write what the socket takes now; the I/O thread also watches for writability while something is left."""
         if conn.sock.fileno() < 0:
             return
         try:
@@ -316,6 +321,8 @@ class MpSender(SenderEndpoint):
         except OSError as exc:  # a dead peer: the read side reports it as EOF or reset
             log.debug("mp: write to worker %s failed: %s", conn.worker, exc)
             conn.out.clear()
+        if not from_io_thread:  # only the I/O thread touches its selector
+            return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
         try:
             if self.selector.get_key(conn.sock).events != want:
