@@ -37,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         target = Target(args.name, parse_options(getattr(args, "option", None) or []))
+        target.make()  # options the transport rejects are a usage error, not 28 failures
         declared = target.capabilities.declared()
         label = f"transport {target.name!r} ({target.cls.__module__}.{target.cls.__qualname__})"
     except Exception as exc:  # unknown transport, bad option: say so instead of a traceback

@@ -19,7 +19,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -110,14 +109,6 @@ def _follow(conn, s: _Session, msg: dict[str, Any]) -> None:
         _audit_local.on = False
 
 
-def _pickle_report(obj: Any) -> dict[str, Any]:
-    import io
-
-    from .portable import inspect_pickle
-
-    return inspect_pickle(obj)
-
-
 def serve(conn, process: bool) -> None:
     """Answer the parent's commands until ``exit``; one receiver session at a time."""
     from . import resources
@@ -155,7 +146,9 @@ def serve(conn, process: bool) -> None:
             elif cmd == "snapshot":
                 reply = {**_state(session), "digests": digests(session.model)}
             elif cmd == "pickle":
-                reply = _pickle_report(session.scheme)
+                from .portable import inspect_pickle
+
+                reply = inspect_pickle(session.scheme)
             elif cmd == "audit":
                 reply = {"events": list(_audit_events)}
             elif cmd == "resources":
@@ -224,12 +217,6 @@ class Worker:
         if process:
             child.close()
         self.pid = self.request("ping", timeout=180.0)["pid"]
-        self.pending: str | None = None
-        self.broken = False
-
-    @property
-    def ident(self) -> int | None:
-        return None if self.process else self.runner.ident
 
     def alive(self) -> bool:
         return self.runner.is_alive() and not self.broken
@@ -337,10 +324,7 @@ def release(workers: list[Worker]) -> None:
         healthy = w.alive()
         if healthy:
             try:
-                if w.pending:
-                    w.recv(60.0)
-                    w.pending = None
-                # drain a follow left running by a failed test
+                # a follow or a call left running by a failed test answers first
                 w.send("close")
                 for _ in range(3):
                     reply = w.recv(60.0, "answer to 'close'")
