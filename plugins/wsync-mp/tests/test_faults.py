@@ -393,3 +393,24 @@ def test_options_are_plain_and_secret_hidden():
     assert opts["authkey"] not in repr(scheme.transport)
     copy = pickle.loads(pickle.dumps(scheme))
     assert copy.transport.options == opts
+
+
+def test_independent_receiver_on_a_path(tmp_path, pool):
+    """A receiver built from the same options (not the sender's object) joins over a socket path;
+    the path is private while in use and gone after shutdown."""
+    path = str(tmp_path / "mp.sock")
+    options = {"address": path, "authkey": "shared-secret"}
+    scheme = WeightSyncScheme("mp", timeout=TIMEOUT, **options)
+    model = fw.make_model()
+    scheme.init_on_sender(weights=model, num_workers=1)
+    p = pool()
+    try:
+        _, out = p.worker(pickle.dumps(WeightSyncScheme("mp", timeout=TIMEOUT, **options)), 0)
+        scheme.connect()
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        _fill(model, 1)
+        scheme.send()
+        assert _latest([out], 1) == [1]
+    finally:
+        scheme.shutdown()
+    assert not os.path.exists(path)

@@ -34,6 +34,8 @@ log = logging.getLogger("wsync.mp")
 #: notifications a worker may hold unreleased (the newest unread one and the one it applies)
 _OUTSTANDING = 2
 _READ_CHUNK = 256 * 1024
+#: events kept for poll(); a worker that floods past this is dropped
+_MAX_EVENTS = 65536
 _live: weakref.WeakSet[MpSender] = weakref.WeakSet()
 
 
@@ -101,7 +103,10 @@ class MpSender(SenderEndpoint):
                     if slot.index != self.latest and slot.index not in busy:
                         return slot.tensor
                 if len(self.slots) < self.max_slots:
-                    self.slots.append(Slot(len(self.slots), self.nbytes))
+                    try:
+                        self.slots.append(Slot(len(self.slots), self.nbytes))
+                    except OSError as exc:
+                        raise TransportError(f"mp: cannot create a payload slot of {self.nbytes} bytes: {exc}") from None
                     return self.slots[-1].tensor
                 if deadline.expired():
                     holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
@@ -264,6 +269,9 @@ class MpSender(SenderEndpoint):
                     self._pump(conn)
             elif frame.kind is Kind.ACK:
                 with self.cond:
+                    if len(self.events) >= _MAX_EVENTS:
+                        raise TransportError(f"worker {conn.worker} sent {_MAX_EVENTS} acks the core has not "
+                                             f"collected yet (one per delivery is expected)")
                     self._emit(Acked(conn.worker, frame.body))
         with self.cond:
             self._flush(conn)
@@ -280,6 +288,9 @@ class MpSender(SenderEndpoint):
             old = self.conns.pop(worker, None)
             if old is not None:  # a restarted worker: the new connection wins, quietly
                 old.worker = None
+                if not old.out:
+                    old.push(encode(Kind.CLOSE, f"another connection joined as worker {worker}".encode()))
+                    self._flush(old)
                 self._close_conn(old)
             conn.worker = worker
             self.conns[worker] = conn
