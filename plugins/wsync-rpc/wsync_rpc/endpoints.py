@@ -7,7 +7,7 @@ serializer, so wsync's traffic never goes through Python's pickle.
 
 from __future__ import annotations
 
-import array
+import contextlib
 import fcntl
 import logging
 import os
@@ -122,17 +122,23 @@ def _ifname_of(address: str) -> str | None:
     return None
 
 
+#: an interface the user chose for TensorPipe before wsync-rpc was imported
+_USER_IFNAME = os.environ.get("TP_SOCKET_IFNAME")
+
+
 def _bind_interface(host: str, port: int) -> None:
     """Make TensorPipe listen on the interface that routes to ``host`` (loopback for loopback),
     unless the user chose one with ``TP_SOCKET_IFNAME``."""
-    if "TP_SOCKET_IFNAME" in os.environ:
+    if _USER_IFNAME:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), port))  # UDP: nothing is sent, a route is chosen
         local = s.getsockname()[0]
     name = _ifname_of(local)
-    if name is not None:
-        os.environ["TP_SOCKET_IFNAME"] = name
+    if name is None:
+        raise TransportError(f"rpc: no network interface holds {local}, the address that routes to {host}; "
+                             f"set TP_SOCKET_IFNAME")
+    os.environ["TP_SOCKET_IFNAME"] = name
 
 
 def _init_dist_autograd(rank: int) -> None:
@@ -175,10 +181,20 @@ class _Agent:
         self.started = False
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
+        listen: dict[str, int] = {}
         try:
+            if master:  # the store listens on ``host`` only (TCPStore alone binds every interface); it owns the fd
+                with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((self.host, self.port))
+                    s.listen(1024)
+                    listen["master_listen_fd"] = s.detach()
             self.store: dist.TCPStore | None = dist.TCPStore(self.host, self.port, None, master, wait,
-                                                             wait_for_workers=False)
+                                                             wait_for_workers=False, **listen)
         except (RuntimeError, OSError) as exc:
+            if "master_listen_fd" in listen:
+                with contextlib.suppress(OSError):
+                    os.close(listen["master_listen_fd"])
             self.close()
             what = "host the rendezvous store at" if master else "reach the sender's store at"
             raise TransportError(f"rpc: {name} cannot {what} {self.host}:{self.port} within "
