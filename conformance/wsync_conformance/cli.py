@@ -60,6 +60,9 @@ def main(args: argparse.Namespace) -> int:
     if code not in (0, 5) or not collector.outcomes:
         print(f"\npytest exited with status {int(code)}")
         return int(code) or 1
+    if not any(r["status"] == "passed" for r in results.values()):
+        print("\nSKIPPED: no guarantee could be tested here (see the reasons above)")
+        return 0
     print("\nPASSED: every guarantee that applies")
     return 0
 
