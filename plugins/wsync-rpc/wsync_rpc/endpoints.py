@@ -159,6 +159,9 @@ def _start_agent(store: dist.Store, name: str, rank: int, world: int, opts: rpc.
     rpc_api._init_rpc_states(agent)
 
 
+_WORLD_KEY = "wsync-rpc/world"
+
+
 def _joined_key(worker: int) -> str:
     return f"wsync-rpc/joined/{worker}"
 
@@ -199,6 +202,19 @@ class _Agent:
             what = "host the rendezvous store at" if master else "reach the sender's store at"
             raise TransportError(f"rpc: {name} cannot {what} {self.host}:{self.port} within "
                                  f"{wait.total_seconds():g} s: {_brief(exc)}") from exc
+        if master:
+            self.store.set(_WORLD_KEY, str(self.world))
+        elif self.world is None:  # an independently built receiver learns the world size from the sender
+            try:
+                raw = self.store.get(_WORLD_KEY)
+            except RuntimeError as exc:
+                self.close()
+                raise TransportError(f"rpc: {name} got no world size from the sender's store at "
+                                     f"{self.host}:{self.port} within {wait.total_seconds():g} s: {_brief(exc)}") from exc
+            if not raw.isdigit() or not rank < int(raw) <= 1 << 20:
+                self.close()
+                raise TransportError(f"rpc: the sender's store gives world size {raw[:20]!r}, which cannot hold rank {rank}")
+            self.world = int(raw)
 
     def joined(self) -> list[int]:
         """Workers that reached the store (they then start their agents)."""

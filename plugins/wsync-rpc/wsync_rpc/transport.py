@@ -64,11 +64,8 @@ class RpcTransport(Transport):
     def receiver(self, ctx: ReceiverContext):
         from .endpoints import RpcReceiver
 
-        world = self.options["world_size"]
-        if world is None:
-            raise ValueError("rpc: a receiver needs world_size (num_workers + 1); pass world_size= or use the "
-                             "sender's pickled scheme")
-        if ctx.worker_idx + 1 >= world:
+        world = self.options["world_size"]  # None: read from the sender's store at open()
+        if world is not None and ctx.worker_idx + 1 >= world:
             raise ValueError(f"rpc: worker_idx {ctx.worker_idx} does not fit world_size={world}")
         return RpcReceiver(self.options, ctx)
 
