@@ -8,7 +8,7 @@ import sys
 import time
 
 import torch
-from wsync_core import WeightSyncScheme, WsyncError
+from wsync_core import WsyncError
 
 
 def make_model(value: float = 0.0) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
