@@ -346,7 +346,7 @@ class MpSender(SenderEndpoint):
         with self.cond:
             if conn.worker is not None and self.conns.get(conn.worker) is conn:
                 del self.conns[conn.worker]
-                log.warning("mp: worker %d left: %s", conn.worker, reason)
+                log.info("mp: worker %d left: %s", conn.worker, reason)  # the core warns about it
                 self._emit(Left(conn.worker, reason))
             else:
                 log.info("mp: dropped a connection: %s", reason)
