@@ -438,3 +438,31 @@ def test_reports_reach_listeners(cluster):
     with pytest.raises(WorkerTimeoutError):
         c.sender.send(timeout=0.3)
     assert seen[-1].missing == [0]
+
+
+# -- fork ------------------------------------------------------------------------------------------
+def test_forked_child_starts_over_and_leaves_the_parent_alone(cluster):
+    """A child made by fork that is handed the live sender object gets a fresh copy, as if
+    unpickled; the parent's endpoint, service thread and workers are untouched."""
+    import multiprocessing as mp
+
+    c = cluster(n=1)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+
+    def child(scheme, q):
+        try:
+            scheme.init_on_receiver(model=make_policy(3), worker_idx=0)
+            q.put(("ok", scheme.state, scheme.version))
+        except Exception as exc:  # reported to the parent
+            q.put(("error", repr(exc), None))
+        scheme.shutdown()
+
+    p = ctx.Process(target=child, args=(c.sender, out))
+    p.start()
+    result = out.get(timeout=60)
+    p.join(60)
+    assert result == ("ok", "initialized as receiver", -1), result
+    bump(c.model)
+    assert c.sender.send() == 1
+    assert same(c.receivers[0].model, c.model)

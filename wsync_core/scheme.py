@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -119,6 +120,7 @@ class WeightSyncScheme:
 
     # -- configuration and pickling -------------------------------------------------------------
     def _reset(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.RLock()
         self._state = _State.NEW
         self._version = -1
@@ -195,7 +197,16 @@ class WeightSyncScheme:
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
 
+    def _adopt_fork(self) -> None:
+        """In a child made by fork, this object is the parent's: start over as a fresh copy (like
+        an unpickled one), leaving the parent's endpoint, threads and buffers alone."""
+        if self._pid != os.getpid():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._reset()
+
     def _expect(self, state: _State, call: str) -> None:
+        self._adopt_fork()
         if self._state is state:
             return
         if self._state is _State.CLOSED:
@@ -226,7 +237,7 @@ class WeightSyncScheme:
             endpoint.close()
             raise
         self._endpoint = endpoint
-        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock)
+        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock, self._pid)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
@@ -246,6 +257,7 @@ class WeightSyncScheme:
         Nothing is sent and no resource is taken until ``connect()``. Raises StateError if the
         scheme was already initialized, ValueError/TypeError for bad arguments.
         """
+        self._adopt_fork()
         with self._lock:
             self._expect(_State.NEW, "init_on_sender")
             if (model is None) == (weights is None):
@@ -313,6 +325,7 @@ class WeightSyncScheme:
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
                    timeout: float | None = None) -> SendHandle:
         """Snapshot and send like ``send``, but return at once with a handle to ``wait`` on."""
+        self._adopt_fork()
         with self._lock:
             self._expect(_State.SENDER_CONNECTED, "send")
             deadline = self._deadline(timeout)
@@ -473,6 +486,7 @@ class WeightSyncScheme:
         Raises StateError if the scheme was already initialized, ValueError/TypeError for bad
         arguments.
         """
+        self._adopt_fork()
         with self._lock:
             self._expect(_State.NEW, "init_on_receiver")
             if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
@@ -504,6 +518,7 @@ class WeightSyncScheme:
         Returns the version applied, or None if nothing new came. A damaged or mismatched
         payload raises TransportError or SchemaMismatchError and leaves the model untouched.
         """
+        self._adopt_fork()
         with self._lock:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
             return self._receive(Deadline(timeout))
@@ -593,6 +608,7 @@ class WeightSyncScheme:
         Raises WorkerTimeoutError on expiry (a sender stays connected and usable for the
         workers that answered), SchemaMismatchError if the two sides' weights differ.
         """
+        self._adopt_fork()
         with self._lock:
             deadline = self._deadline(timeout)
             if self._state is _State.SENDER:
@@ -604,9 +620,11 @@ class WeightSyncScheme:
 
     def shutdown(self) -> None:
         """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards."""
+        self._adopt_fork()
         self._stop_service.set()
         if self._service is not None and self._service is not threading.current_thread():
             self._service.join()
+        self._adopt_fork()
         with self._lock:
             if self._layout is not None:
                 self._layout.drop_views()
@@ -621,8 +639,12 @@ class WeightSyncScheme:
             self._state = _State.CLOSED
 
 
-def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock) -> None:
-    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held."""
+def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock,
+           pid: int) -> None:
+    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held.
+    A forked child never closes its parent's endpoint."""
+    if os.getpid() != pid:
+        return
     stop_service.set()
     with lock:
         endpoint.close()
