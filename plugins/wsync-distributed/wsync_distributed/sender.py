@@ -32,6 +32,7 @@ from wsync_core import (
 from wsync_core.transport import Event
 
 from . import wire
+from .receiver import HEARTBEAT_S
 from .transport import Config
 
 __all__ = ["DistributedSender"]
@@ -215,7 +216,7 @@ class DistributedSender(SenderEndpoint):
         first = self._beats(store, workers)
         alive: set[int] = set()
         while time.monotonic() < end and len(alive) < len(workers) and not self.closing:
-            time.sleep(0.1)
+            time.sleep(HEARTBEAT_S / 4)
             now = self._beats(store, [w for w in workers if w not in alive])
             alive.update(w for w, c in now.items() if c != first[w])
         return gone + [w for w in workers if w not in alive]
@@ -315,7 +316,7 @@ class DistributedSender(SenderEndpoint):
                 log.warning("distributed sender: broadcast to workers %s failed: %s", targets, error)
                 _drop(self.groups.pop(tuple(targets), (None, None))[1])
                 # retry at once with the workers whose heartbeat moves; judge the others at leisure
-                quiet = self._find_dead(store, targets, min(1.0, self.cfg.heartbeat_timeout))
+                quiet = self._find_dead(store, targets, min(3 * HEARTBEAT_S, self.cfg.heartbeat_timeout))
                 suspects += quiet
                 targets = [w for w in targets if w not in quiet]
         with self.cond:
