@@ -122,23 +122,35 @@ def _ifname_of(address: str) -> str | None:
     return None
 
 
-#: an interface the user chose for TensorPipe before wsync-rpc was imported
-_USER_IFNAME = os.environ.get("TP_SOCKET_IFNAME")
+#: [interface, address] that TensorPipe listens on in this process once wsync started an agent:
+#: torch reads ``TP_SOCKET_IFNAME`` at the first RPC agent of a process and keeps that address
+_listening: list[str] = []
+#: the values wsync gave ``TP_SOCKET_IFNAME`` (any other value is the user's choice)
+_ours: set[str] = set()
 
 
-def _bind_interface(host: str, port: int) -> None:
-    """Make TensorPipe listen on the interface that routes to ``host`` (loopback for loopback),
-    unless the user chose one with ``TP_SOCKET_IFNAME``."""
-    if _USER_IFNAME:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), port))  # UDP: nothing is sent, a route is chosen
-        local = s.getsockname()[0]
+def _interface_for(host: str, port: int) -> tuple[str, str] | None:
+    """The interface (name, address) TensorPipe must listen on to be reached from ``host``'s network (loopback for
+    loopback), or None where the user chose one with ``TP_SOCKET_IFNAME``. Raises TransportError if
+    no interface holds the address routing to ``host``, or if this process already listens on another."""
+    if not _listening and os.environ.get("TP_SOCKET_IFNAME", "") not in _ours | {""}:
+        return None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)  # UDP: nothing is sent, a route is chosen
+            local = s.getsockname()[0]
+    except OSError as exc:
+        raise TransportError(f"rpc: no route from this host to {host}: {exc}") from exc
     name = _ifname_of(local)
     if name is None:
-        raise TransportError(f"rpc: no network interface holds {local}, the address that routes to {host}; "
+        raise TransportError(f"rpc: no IPv4 network interface holds {local}, the address that routes to {host}; "
                              f"set TP_SOCKET_IFNAME")
-    os.environ["TP_SOCKET_IFNAME"] = name
+    if _listening and _listening[0] != name:
+        raise TransportError(f"rpc: this process's RPC agents listen on {_listening[1]} ({_listening[0]}), fixed by "
+                             f"its first agent (torch.distributed.rpc picks that address once per process), but "
+                             f"{host} is reached through {local} ({name}); host this endpoint in a new process")
+    return name, local
 
 
 def _init_dist_autograd(rank: int) -> None:
@@ -182,6 +194,11 @@ class _Agent:
         self.host, self.port, self.world = options["host"], options["port"], options["world_size"]
         self.timeout = options["rpc_timeout"]
         self.started = False
+        try:
+            self.interface = _interface_for(self.host, self.port)
+        except TransportError:
+            self.close()
+            raise
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
         listen: dict[str, int] = {}
@@ -224,7 +241,9 @@ class _Agent:
         """Start this process's RPC agent; every rank must start within ``wait_s`` seconds."""
         if self.rank:
             self.store.set(_joined_key(self.rank - 1), b"1")
-        _bind_interface(self.host, self.port)
+        if self.interface is not None:
+            os.environ["TP_SOCKET_IFNAME"] = self.interface[0]
+            _ours.add(self.interface[0])
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
         self.store.set_timeout(timedelta(seconds=max(0.05, wait_s)))
         _init_dist_autograd(self.rank)
@@ -236,6 +255,8 @@ class _Agent:
                                  f"{_brief(exc)}") from exc
         finally:
             self.started = rpc_api._is_current_rpc_agent_set()
+            if self.started and self.interface is not None and not _listening:
+                _listening[:] = self.interface
         self.store.set_timeout(timedelta(seconds=self.timeout))
 
     def close(self) -> None:
