@@ -172,7 +172,10 @@ class Session:
         expected = digests(weights if weights is not None else self.model)
         targets = follow if follow is not None else (worker_ids if worker_ids is not None else None)
         with self.following(targets) as reports:
-            v = self.scheme.send(weights=weights, worker_ids=worker_ids, timeout=timeout)
+            if self.scheme.sync:
+                v = self.scheme.send(weights=weights, worker_ids=worker_ids, timeout=timeout)
+            else:  # the followers must not stop before they applied it
+                v = self.scheme.send_async(weights=weights, worker_ids=worker_ids, timeout=timeout).wait(timeout)
             self.expected[v] = expected
         for i, r in reports.items():
             if r.get("errors"):

@@ -125,15 +125,17 @@ def _ifname_of(address: str) -> str | None:
 #: [interface, address] that TensorPipe listens on in this process once wsync started an agent:
 #: torch reads ``TP_SOCKET_IFNAME`` at the first RPC agent of a process and keeps that address
 _listening: list[str] = []
-#: the values wsync gave ``TP_SOCKET_IFNAME`` (any other value is the user's choice)
-_ours: set[str] = set()
+#: wsync marks the ``TP_SOCKET_IFNAME`` it sets with this variable, so that a child process (which
+#: inherits both) knows the value is not the user's choice
+_MARK = "WSYNC_RPC_TP_SOCKET_IFNAME"
 
 
 def _interface_for(host: str, port: int) -> tuple[str, str] | None:
     """The interface (name, address) TensorPipe must listen on to be reached from ``host``'s network (loopback for
     loopback), or None where the user chose one with ``TP_SOCKET_IFNAME``. Raises TransportError if
     no interface holds the address routing to ``host``, or if this process already listens on another."""
-    if not _listening and os.environ.get("TP_SOCKET_IFNAME", "") not in _ours | {""}:
+    chosen = os.environ.get("TP_SOCKET_IFNAME", "")
+    if not _listening and chosen and chosen != os.environ.get(_MARK):
         return None
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
@@ -242,8 +244,7 @@ class _Agent:
         if self.rank:
             self.store.set(_joined_key(self.rank - 1), b"1")
         if self.interface is not None:
-            os.environ["TP_SOCKET_IFNAME"] = self.interface[0]
-            _ours.add(self.interface[0])
+            os.environ["TP_SOCKET_IFNAME"] = os.environ[_MARK] = self.interface[0]
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
         self.store.set_timeout(timedelta(seconds=max(0.05, wait_s)))
         _init_dist_autograd(self.rank)

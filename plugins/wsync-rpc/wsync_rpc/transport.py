@@ -38,7 +38,7 @@ class RpcTransport(Transport):
     """
 
     name = "rpc"
-    capabilities = Capabilities(processes=True, multi_host=False, cuda=False, zero_copy=False, async_send=True,
+    capabilities = Capabilities(processes=True, multi_host=True, cuda=False, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=False, auth=False)
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, world_size: int | None = None,
