@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import socket
@@ -54,16 +55,22 @@ def worker_name(worker: int) -> str:
 # -- what arrives, per process (one RPC agent per process) ------------------------------------
 _cond = threading.Condition()
 _mailbox: list[tuple[bytes, torch.Tensor]] = []  # receiver: the newest delivery only
+#: receiver: the highest delivery number seen; RPC runs calls on a thread pool, so an older
+#: delivery can arrive after a newer one and must not replace it
+_newest: list[int] = [-1]
 _events: deque[Event] = deque()  # sender: joins, acks and leaves
 _owner: list[object] = []  # the endpoint that holds this process's RPC agent
 
 
-def _deliver_impl(header: torch.Tensor, payload: torch.Tensor) -> int:
+def _deliver_impl(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
     if header.numel() > MAX_HEADER_BYTES:
         return 0
     with _cond:
         if not _owner or not isinstance(_owner[0], RpcReceiver):
             return 0
+        if seq <= _newest[0]:
+            return 1
+        _newest[0] = seq
         _mailbox[:] = [(header.numpy().tobytes(), payload)]
         _cond.notify_all()
     return 1
@@ -84,15 +91,15 @@ def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
 
 
 _lib = torch.library.Library("wsync_rpc", "DEF")
-_lib.define("deliver(Tensor header, Tensor payload) -> int")
+_lib.define("deliver(int seq, Tensor header, Tensor payload) -> int")
 _lib.define("event(int kind, int worker, Tensor data) -> int")
 _lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
 _lib.impl("event", _event_impl, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
-def _deliver(header: torch.Tensor, payload: torch.Tensor) -> int:
-    return torch.ops.wsync_rpc.deliver(header, payload)
+def _deliver(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
+    return torch.ops.wsync_rpc.deliver(seq, header, payload)
 
 
 @torch.jit.script
@@ -191,6 +198,7 @@ class _Agent:
                                      "cannot be two wsync rpc endpoints, nor join another RPC group)")
             _owner.append(owner)
             _mailbox.clear()
+            _newest[0] = -1
             _events.clear()
         self.name, self.rank = name, rank
         self.host, self.port, self.world = options["host"], options["port"], options["world_size"]
@@ -271,6 +279,7 @@ class _Agent:
         with _cond:
             _owner.clear()
             _mailbox.clear()
+            _newest[0] = -1
             _events.clear()
             _cond.notify_all()
 
@@ -293,6 +302,7 @@ class RpcSender(SenderEndpoint):
         self.lock = threading.Lock()
         self.ready = False
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.seq = itertools.count(1)  # numbers deliveries: a receiver keeps the newest whatever order RPC runs them in
         self.stop = threading.Event()
         self.starter: threading.Thread | None = None
 
@@ -336,7 +346,7 @@ class RpcSender(SenderEndpoint):
 
     def _send(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
-            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(head, buffer), timeout=self.timeout)
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, buffer), timeout=self.timeout)
         except RuntimeError as exc:
             self._left(worker, f"cannot send to {worker_name(worker)}: {_brief(exc)}")
             return
