@@ -34,7 +34,7 @@ from wsync_core import (
 )
 from wsync_core.protocol import MAX_HEADER_BYTES
 
-from . import profiles, resources
+from . import harness, profiles, resources
 from .context import Context, RawSender, Session, classify, send_expect_timeout
 from .guarantees import guarantee, violated
 from .models import KINDS, ModelSpec, TensorSpec, build, digests, fill, fill_version, random_values, rich_spec, version_spec
@@ -283,16 +283,7 @@ class TransportSuite:
     @guarantee("atomic")
     def test_atomic_damaged_payload(self, wsync: Context) -> None:
         """A payload under a wrong layout or a failing checksum raises and leaves the model untouched."""
-        spec = version_spec()
-        raw = RawSender(wsync, spec, 1)
-        (w,) = wsync.workers(1)
-        w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
-        w.call_async("connect", timeout=wsync.timeout)
-        raw.wait_joined([0])
-        fill_version(raw.model, 3)
-        raw.publish(raw.header(0), [0])
-        w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
-        before = w.snapshot()["digests"]
+        raw, w, before = _raw_receiver(wsync)
         other = version_spec().tensors[:-1]
         from wsync_core import Layout
 
@@ -704,16 +695,7 @@ class TransportSuite:
     def test_safe_hostile_headers(self, wsync: Context) -> None:
         """Garbage, truncated, pickled, oversized and malformed headers raise TransportError;
         the model is untouched and the receiver keeps working."""
-        spec = version_spec()
-        raw = RawSender(wsync, spec, 1)
-        (w,) = wsync.workers(1)
-        w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
-        w.call_async("connect", timeout=wsync.timeout)
-        raw.wait_joined([0])
-        fill_version(raw.model, 3)
-        raw.publish(raw.header(0), [0])
-        w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
-        before = w.snapshot()["digests"]
+        raw, w, before = _raw_receiver(wsync)
         good = raw.header(1)
         cases = {
             "empty bytes": b"",
@@ -787,3 +769,18 @@ class TransportSuite:
         """``multi_host`` needs a second host; the suite runs on one."""
         wsync.require("multi_host")
         pytest.skip("multi_host is declared; this suite runs on one host (receivers on loopback)")
+
+
+def _raw_receiver(wsync: Context) -> tuple[RawSender, harness.Worker, dict]:
+    """One receiver connected to a raw sender (which can publish anything) and holding its version
+    0; returns the sender, the receiver and the receiver's digests."""
+    spec = version_spec()
+    raw = RawSender(wsync, spec, 1)
+    (w,) = wsync.workers(1)
+    w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
+    w.call_async("connect", timeout=wsync.timeout)
+    raw.wait_joined([0])
+    fill_version(raw.model, 3)
+    raw.publish(raw.header(0), [0])
+    w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
+    return raw, w, w.snapshot()["digests"]
