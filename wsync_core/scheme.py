@@ -317,18 +317,23 @@ class WeightSyncScheme:
         raises WorkerTimeoutError naming the targets that did not (the others are updated).
         Raises SchemaMismatchError if ``weights`` does not match, before anything is sent.
         """
-        handle = self.send_async(weights, worker_ids, timeout)
+        deadline = self._deadline(timeout)  # one deadline for the snapshot and the acks
+        handle = self._send_async(weights, worker_ids, deadline)
         if self.sync:
-            handle.wait(timeout)
+            with self._lock:
+                self._expect(_State.SENDER_CONNECTED, "send")
+                self._finish(handle.version, handle.targets, deadline)
         return handle.version
 
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
                    timeout: float | None = None) -> SendHandle:
         """Snapshot and send like ``send``, but return at once with a handle to ``wait`` on."""
+        return self._send_async(weights, worker_ids, self._deadline(timeout))
+
+    def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline) -> SendHandle:
         self._adopt_fork()
         with self._lock:
             self._expect(_State.SENDER_CONNECTED, "send")
-            deadline = self._deadline(timeout)
             targets = self._targets(worker_ids)
             if weights is None:
                 tensors = flatten(self._source, self.strategy)
