@@ -33,6 +33,7 @@ from .transport import (
     SenderContext,
     SenderEndpoint,
     Transport,
+    free_port,
 )
 
 __all__ = [
@@ -65,4 +66,5 @@ __all__ = [
     "Left",
     "Deadline",
     "Layout",
+    "free_port",
 ]

@@ -25,6 +25,7 @@ Rules every transport keeps (the conformance suite checks them):
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -47,6 +48,7 @@ __all__ = [
     "SenderEndpoint",
     "ReceiverEndpoint",
     "Transport",
+    "free_port",
 ]
 
 
@@ -218,3 +220,15 @@ class Transport(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts})"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a transport that must fix its port when it is built
+    (so pickled copies meet there). Raises ValueError if ``host`` cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            raise ValueError(f"cannot pick a free port on host {host!r} ({exc}); pass port=") from None
+        return s.getsockname()[1]

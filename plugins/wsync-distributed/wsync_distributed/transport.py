@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
 
 __all__ = ["DistributedTransport", "Config"]
 
@@ -40,14 +40,6 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError as exc:
-            raise ValueError(f"distributed: cannot pick a free port on host {host!r} ({exc}); pass port=") from None
-        return s.getsockname()[1]
 
 
 def _local_address(host: str, port: int) -> str:
@@ -104,7 +96,7 @@ class DistributedTransport(Transport):
             host = os.environ.get("MASTER_ADDR", "127.0.0.1") if launcher else "127.0.0.1"
         if port is None:
             master_port = _env_int("MASTER_PORT") if launcher else None
-            port = master_port + 1 if master_port is not None else _free_port(host)
+            port = master_port + 1 if master_port is not None else free_port(host)
         if world_size is None and launcher:
             world_size = _env_int("WORLD_SIZE")
         for what, value, low in (("bucket_mb", bucket_mb, 0), ("collective_timeout", collective_timeout, 0),

@@ -6,10 +6,9 @@ The sender is RPC worker ``wsync-sender`` (rank 0), worker ``i`` is ``wsync-work
 
 from __future__ import annotations
 
-import socket
 
 import torch.distributed.rpc as rpc
-from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
 
 __all__ = ["RpcTransport"]
 
@@ -17,14 +16,6 @@ if not rpc.is_available():  # the plugin then fails to load, and `wsync transpor
     raise ImportError("wsync-rpc: this torch build has no torch.distributed.rpc (rpc.is_available() is False)")
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError as exc:
-            raise ValueError(f"rpc: cannot pick a free port on host {host!r} ({exc}); pass port=") from None
-        return s.getsockname()[1]
 
 
 class RpcTransport(Transport):
@@ -47,7 +38,7 @@ class RpcTransport(Transport):
             raise ValueError(f"rpc: rpc_timeout must be > 0, got {rpc_timeout!r}")
         if world_size is not None and not (isinstance(world_size, int) and world_size >= 2):
             raise ValueError(f"rpc: world_size must be an int >= 2 (num_workers + 1), got {world_size!r}")
-        super().__init__(host=str(host), port=int(port) if port else _free_port(str(host)), world_size=world_size,
+        super().__init__(host=str(host), port=int(port) if port else free_port(str(host)), world_size=world_size,
                          rpc_timeout=float(rpc_timeout), checksum=bool(checksum))
 
     def sender(self, ctx: SenderContext):

@@ -8,7 +8,6 @@ on other hosts build their own scheme with the same options. Without ``address``
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from wsync_core.transport import (
     SenderContext,
     SenderEndpoint,
     Transport,
+    free_port,
 )
 
 __all__ = ["ZmqTransport"]
@@ -29,10 +29,6 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d
 _WILDCARDS = {"*", "0.0.0.0", "[::]", "[*]"}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
@@ -91,7 +87,7 @@ class ZmqTransport(Transport):
         curve_client_secret: str | None = None,
         curve_allowed_clients: Sequence[str] | None = None,
     ) -> None:
-        address = f"tcp://127.0.0.1:{_free_port()}" if address is None else _check_endpoint(address, "address", False)
+        address = f"tcp://127.0.0.1:{free_port()}" if address is None else _check_endpoint(address, "address", False)
         if bind is not None:
             bind = _check_endpoint(bind, "bind", True)
         if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.1 <= heartbeat <= 3600:
