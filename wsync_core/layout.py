@@ -195,6 +195,28 @@ class Layout:
         """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
         _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
 
+    def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Make each target a view of the flat ``buffer`` instead of copying into it, where it can.
+
+        A target keeps its Python object (a Parameter stays the module's Parameter); its storage
+        becomes the buffer's. Targets that cannot (another device, a view of another tensor, a
+        tensor subclass, a non-leaf) are copied into as by ``unpack``. Returns the adopted ones.
+        """
+        adopted: list[torch.Tensor] = []
+        dsts, srcs = [], []
+        with torch.no_grad():
+            for e in self._filled:
+                t = targets[e.key]
+                view = self.view(buffer, e)
+                if _adoptable(t, buffer):
+                    t.data = view
+                    adopted.append(t)
+                else:
+                    dsts.append(t)
+                    srcs.append(view)
+        _copy_all(dsts, srcs)
+        return adopted
+
     def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         key = (buffer.data_ptr(), str(buffer.device))
         views = self._views.get(key)
@@ -232,6 +254,11 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         else:
             for d, s in zip(dsts, srcs):
                 d.copy_(s)
+
+
+def _adoptable(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == buffer.device and t._base is None
+            and t.is_leaf and not t.is_inference())
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)

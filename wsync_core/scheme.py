@@ -145,6 +145,7 @@ class WeightSyncScheme:
         self._stop_service = threading.Event()
         # receiver side
         self._worker_idx: int | None = None
+        self._held = _Held()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"transport": self._transport, "config": dict(self._config)}
@@ -203,6 +204,7 @@ class WeightSyncScheme:
         if self._pid != os.getpid():
             if self._finalizer is not None:
                 self._finalizer.detach()
+            self._held.materialize()  # the parent still holds what the model viewed: copy it
             self._reset()
 
     def _expect(self, state: _State, call: str) -> None:
@@ -237,7 +239,8 @@ class WeightSyncScheme:
             endpoint.close()
             raise
         self._endpoint = endpoint
-        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock, self._pid)
+        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock, self._pid,
+                                           self._held)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
@@ -561,22 +564,32 @@ class WeightSyncScheme:
             return None
         delivery, header = best
         try:
-            self._apply(delivery, header)
+            adopted = self._apply(delivery, header)
         except (SchemaMismatchError, TransportError) as exc:
+            _release(delivery)
             self._reject(header.version, exc)
             raise
-        finally:
+        except BaseException:
             _release(delivery)
+            raise
+        if not adopted:
+            _release(delivery)
+        previous = self._held.replace(adopted, delivery if adopted else None)
+        if previous is not None:
+            _release(previous)  # before the ack: the sender may reuse its memory for the next version
         self._version = header.version
         endpoint.ack(Ack(self._worker_idx, header.version).encode())
+        del previous  # only now unmap what the model viewed before (it takes a while for big models)
         return header.version
 
     def _reject(self, version: int, exc: WsyncError) -> None:
         log.warning("worker %s rejected version %d: %s", self._worker_idx, version, exc)
         self._endpoint.ack(Ack(self._worker_idx, version, str(exc), type(exc).__name__).encode())
 
-    def _apply(self, delivery: Delivery, header: Header) -> None:
-        """Check everything about a delivery, then copy it into the model; nothing is written on error."""
+    def _apply(self, delivery: Delivery, header: Header) -> list[torch.Tensor]:
+        """Check everything about a delivery, then copy it into the model, or make the model's
+        tensors views of it where the delivery is adoptable; nothing is written on error.
+        Returns the tensors that now view the payload."""
         layout = self._layout
         where = f"worker {self._worker_idx}, version {header.version}"
         if header.model_id != self._model_id:
@@ -599,11 +612,16 @@ class WeightSyncScheme:
                                  f"expected {layout.nbytes}")
         if header.crc is not None and crc32(payload) != header.crc:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
-        targets = flatten(self._source, self.strategy)
+        targets = flatten(self._source, self.strategy, detach=False)
         layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
-        layout.unpack(payload, targets)
+        adopted: list[torch.Tensor] = []
+        if delivery.adoptable:
+            adopted = layout.adopt(payload, targets)
+        else:
+            layout.unpack(payload, targets)
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
+        return adopted
 
     # -- both --------------------------------------------------------------------------------
     def connect(self, timeout: float | None = None) -> None:
@@ -645,14 +663,47 @@ class WeightSyncScheme:
 
 
 def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock,
-           pid: int) -> None:
-    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held.
-    A forked child never closes its parent's endpoint."""
+           pid: int, held: _Held) -> None:
+    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held,
+    and a model that views a delivery gets its own copy first. A forked child never closes its
+    parent's endpoint."""
     if os.getpid() != pid:
         return
     stop_service.set()
     with lock:
+        previous = held.replace([], None)  # copies what the model viewed first
+        if previous is not None:
+            _release(previous)
         endpoint.close()
+
+
+class _Held:
+    """The delivery a receiver's model views (adopted instead of copied), kept until it moves on."""
+
+    __slots__ = ("tensors", "delivery")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.delivery: Delivery | None = None
+
+    def replace(self, tensors: list[torch.Tensor], delivery: Delivery | None) -> Delivery | None:
+        """Hold ``delivery`` (viewed by ``tensors``) instead; returns the one held before, for the
+        caller to release. Tensors that viewed it and are not among ``tensors`` are copied first."""
+        keep = {id(t) for t in tensors}
+        self.tensors = [t for t in self.tensors if id(t) not in keep]
+        self.materialize()
+        previous, self.tensors, self.delivery = self.delivery, tensors, delivery
+        return previous
+
+    def materialize(self) -> None:
+        """Give every held tensor its own memory (a copy), so the delivery can be given back."""
+        seen: set[int] = set()
+        with torch.no_grad():
+            for t in self.tensors:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    t.data = t.data.clone()
+        self.tensors = []
 
 
 def _release(delivery: Delivery) -> None:

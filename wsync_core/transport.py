@@ -100,15 +100,19 @@ class ReceiverContext:
 
 @dataclass
 class Delivery:
-    """One received version: header bytes and a read-only flat uint8 payload.
+    """One received version: header bytes and a flat uint8 payload.
 
     The core calls ``release()`` once it has applied or discarded the payload; until then the
-    transport must keep the payload's bytes unchanged.
+    transport must keep the payload's bytes unchanged. A transport sets ``adoptable`` when the
+    payload's memory is this receiver's own to keep (writing it reaches no one else): the core
+    may then make the model's tensors views of it instead of copying, and calls ``release()``
+    only once the model has moved on to a newer version or the receiver shuts down.
     """
 
     header: bytes
     payload: torch.Tensor
     release: Callable[[], None] | None = None
+    adoptable: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ def check_strategy(strategy: str) -> Strategy:
     return strategy  # type: ignore[return-value]
 
 
-def flatten(weights: Any, strategy: Strategy = "tensordict") -> dict[str, torch.Tensor]:
-    """The tensors of ``weights`` by dotted key, detached and aliasing the originals (no copy).
+def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of ``weights`` by dotted key, aliasing the originals (no copy): detached
+    aliases, or with ``detach=False`` the original tensor objects (a receiver swaps their storage).
 
     Raises TypeError if ``weights`` is not a module, a TensorDict or a mapping of tensors.
     """
@@ -43,14 +44,14 @@ def flatten(weights: Any, strategy: Strategy = "tensordict") -> dict[str, torch.
         else:
             items = list(weights.named_parameters(remove_duplicate=False))
             items += list(weights.named_buffers(remove_duplicate=False))
-        return {k: v.detach() for k, v in items if v is not None}
+        return {k: _d(v, detach) for k, v in items if v is not None}
     if isinstance(weights, TensorDictBase):
         out = {}
         for key, value in weights.items(include_nested=True, leaves_only=True):
             name = key if isinstance(key, str) else ".".join(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
-            out[name] = value.detach()
+            out[name] = _d(value, detach)
         return out
     if isinstance(weights, Mapping):
         out = {}
@@ -58,14 +59,18 @@ def flatten(weights: Any, strategy: Strategy = "tensordict") -> dict[str, torch.
             if not isinstance(key, str):
                 raise TypeError(f"state_dict keys must be strings, got {key!r}")
             if isinstance(value, Mapping) or isinstance(value, TensorDictBase):
-                for sub, tensor in flatten(value, strategy).items():
+                for sub, tensor in flatten(value, strategy, detach=detach).items():
                     out[f"{key}.{sub}"] = tensor
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor")
-            out[key] = value.detach()
+            out[key] = _d(value, detach)
         return out
     raise TypeError(
         f"weights must be an nn.Module, a TensorDict or a state_dict (mapping of str to tensor), "
         f"got {type(weights).__name__}"
     )
+
+
+def _d(t: torch.Tensor, detach: bool) -> torch.Tensor:
+    return t.detach() if detach else t

@@ -27,6 +27,9 @@ class MpTransport(Transport):
     - ``max_slots``: payload buffers the sender may create (default ``2 * num_workers + 2``;
       two are used unless workers stall).
     - ``checksum``: have the core add and check a CRC32 of every payload (default False).
+    - ``zero_copy``: a worker's tensors become private copy-on-write maps of the slot instead of
+      copies (default True); the slot stays the worker's until it moves on. False copies into
+      the tensors the model already has.
     """
 
     name = "mp"
@@ -34,7 +37,7 @@ class MpTransport(Transport):
                                 subset_send=True, late_join=True, auth=True)
 
     def __init__(self, *, address: str | None = None, authkey: str | None = None, max_slots: int | None = None,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, zero_copy: bool = True) -> None:
         if not sys.platform.startswith("linux"):
             raise RuntimeError(f"the mp transport needs Linux (memfd and SCM_RIGHTS); this is {sys.platform}")
         if address is None:
@@ -46,7 +49,8 @@ class MpTransport(Transport):
             raise TypeError(f"authkey must be a str, got {type(authkey).__name__}")
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 2):
             raise ValueError(f"max_slots must be an int >= 2, got {max_slots!r}")
-        super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=bool(checksum))
+        super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=bool(checksum),
+                         zero_copy=bool(zero_copy))
 
     @property
     def _key(self) -> bytes:
@@ -57,7 +61,7 @@ class MpTransport(Transport):
         return MpSender(self.options["address"], self._key, ctx, max_slots)
 
     def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
-        return MpReceiver(self.options["address"], self._key, ctx)
+        return MpReceiver(self.options["address"], self._key, ctx, self.options["zero_copy"])
 
     def __repr__(self) -> str:  # never print the secret
         opts = {**self.options, "authkey": "***" if self.options["authkey"] else None}

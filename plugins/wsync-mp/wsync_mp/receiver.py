@@ -1,8 +1,10 @@
 """A worker's side of ``mp``: connect, authenticate, then a reader thread that keeps the newest notification.
 
 The reader releases a notification as soon as a newer one arrives, so a worker that calls
-``receive`` rarely still pins at most two of the sender's slots. Payloads are read-only maps
-of the sender's sealed slots; the core copies them into the model (the worker's own copy).
+``receive`` rarely still pins at most two of the sender's slots. Payloads are private
+copy-on-write maps of the sender's sealed slots, which the core adopts as the model's tensors
+(``zero_copy``, the default) and releases when the model moves on; or read-only maps it copies
+from.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from wsync_core import Deadline, TransportError, WorkerTimeoutError
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from .wire import (FLAG_FD, MAX_FDS, MAX_SLOTS, NONCE_BYTES, PREFIX, Frame, FrameReader, Kind, encode, mac,
-                   make_socket, map_slot, sockaddr)
+                   make_socket, map_private, map_slot, sockaddr)
 
 __all__ = ["MpReceiver"]
 
@@ -36,7 +38,7 @@ _live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
 
 class MpReceiver(ReceiverEndpoint):
-    def __init__(self, address: str, authkey: bytes, ctx: ReceiverContext) -> None:
+    def __init__(self, address: str, authkey: bytes, ctx: ReceiverContext, zero_copy: bool = True) -> None:
         self.address = address
         self.authkey = authkey
         self.worker = ctx.worker_idx
@@ -47,6 +49,8 @@ class MpReceiver(ReceiverEndpoint):
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.maps: dict[int, tuple | None] = {}    # slot -> (mmap, tensor), None if its size is not ours
+        self.zero_copy = zero_copy
+        self.slot_fds: dict[int, int] = {}         # slot -> its descriptor, kept for private maps
         self.fds: deque[int] = deque()
         self.newest: tuple[int, bytes] | None = None
         self.ended: str | None = None   # why the connection ended
@@ -88,7 +92,11 @@ class MpReceiver(ReceiverEndpoint):
                 released = True
                 self._release(index)
 
-        return Delivery(header, _EMPTY if mapped is None else mapped[1], release)
+        if mapped is None:
+            return Delivery(header, _EMPTY, release)
+        if index in self.slot_fds:
+            return Delivery(header, map_private(self.slot_fds[index], self.nbytes), release, adoptable=True)
+        return Delivery(header, mapped[1], release)
 
     def ack(self, data: bytes) -> None:
         self._send(encode(Kind.ACK, data))
@@ -195,8 +203,11 @@ class MpReceiver(ReceiverEndpoint):
                 if index in self.maps:
                     raise TransportError(f"{self.peer} sent a second descriptor for slot {index}")
                 self.maps[index] = map_slot(fd, self.nbytes, self.peer)
+                if self.zero_copy and self.maps[index] is not None:
+                    self.slot_fds[index], fd = fd, -1
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         elif index not in self.maps:
             raise TransportError(f"{self.peer} named slot {index} without sending its descriptor")
         with self.cond:
@@ -235,6 +246,7 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         while self.fds:
             os.close(self.fds.popleft())
+        self._close_slot_fds()
         maps = [mapped[0] for mapped in self.maps.values() if mapped is not None]
         self.maps.clear()  # drops this endpoint's views, so only the core's can keep a map alive
         for mm in maps:
@@ -253,6 +265,13 @@ class MpReceiver(ReceiverEndpoint):
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+        self._close_slot_fds()
+
+    def _close_slot_fds(self) -> None:
+        fds = list(self.slot_fds.values())
+        self.slot_fds.clear()
+        for fd in fds:
+            os.close(fd)
 
 
 def _after_fork_in_child() -> None:

@@ -23,19 +23,19 @@ def slot_files(name: str) -> list[str]:
 
 @pytest.fixture
 def group():
-    """An async sender and ``n`` receivers in this thread: ``group(n)`` -> (name, sender, model, receivers)."""
+    """An async sender and ``n`` receivers in this thread: ``group(n, **options)`` -> (name, sender, model, receivers)."""
     made: list[WeightSyncScheme] = []
 
-    def build(n: int):
+    def build(n: int, **options):
         name = f"t-{uuid.uuid4().hex[:12]}"
         model = make_model()
         fill(model, 0)
-        sender = WeightSyncScheme("shm", sync=False, timeout=30.0, name=name)
+        sender = WeightSyncScheme("shm", sync=False, timeout=30.0, name=name, **options)
         sender.init_on_sender(model=model, num_workers=n)
         made.append(sender)
         receivers = []
         for i in range(n):
-            r = WeightSyncScheme("shm", timeout=30.0, name=name)
+            r = WeightSyncScheme("shm", timeout=30.0, name=name, **options)
             r.init_on_receiver(model=make_model(), worker_idx=i)
             made.append(r)
             receivers.append(r)
@@ -90,6 +90,51 @@ def test_lagging_and_subset_receivers_get_their_newest_version(group) -> None:
     assert [r.receive(timeout=30.0) for r in (r0, r1, r2)] == [7, 7, 7]
     assert all(holds(model_of(r), 7) for r in (r0, r1, r2))
     assert len(slot_files(name)) <= 3 + 2
+
+
+def test_zero_copy_receivers_view_a_pinned_slot_and_write_privately(group) -> None:
+    name, sender, model, (r0, r1) = group(2)
+    w0 = model_of(r0)["w"]
+    fill(model, 1)
+    sender.send_async()
+    assert [r.receive(timeout=30.0) for r in (r0, r1)] == [1, 1]
+    assert model_of(r0)["w"] is w0  # the same tensor object, now viewing the slot
+    w0.fill_(-1.0)  # a worker's own write stays its own
+    assert holds(model_of(r1), 1)
+    for v in (2, 3, 4, 5):  # r0 pins the slot holding version 1; the sender never writes it
+        fill(model, v)
+        sender.send_async(worker_ids=[1])
+        assert r1.receive(timeout=30.0) == v and holds(model_of(r1), v)
+    assert torch.all(w0 == -1.0) and model_of(r0)["step"].item() == 1
+    assert len(slot_files(name)) == 3  # the pinned one, and two for r1's versions
+    fill(model, 6)
+    sender.send_async()
+    assert [r.receive(timeout=30.0) for r in (r0, r1)] == [6, 6]
+    assert holds(model_of(r0), 6) and holds(model_of(r1), 6)
+
+
+def test_zero_copy_takes_the_slots_memory_and_copy_mode_keeps_the_models(group) -> None:
+    for zero_copy in (True, False):
+        _, sender, model, (r0,) = group(1, zero_copy=zero_copy)
+        before = model_of(r0)["w"].data_ptr()
+        fill(model, 1)
+        sender.send_async()
+        assert r0.receive(timeout=30.0) == 1 and holds(model_of(r0), 1)
+        assert (model_of(r0)["w"].data_ptr() != before) is zero_copy
+
+
+def test_a_receiver_shut_down_keeps_its_weights_while_the_slot_is_reused(group) -> None:
+    _, sender, model, (r0, r1) = group(2)
+    fill(model, 1)
+    sender.send_async()
+    assert [r.receive(timeout=30.0) for r in (r0, r1)] == [1, 1]
+    kept = model_of(r0)
+    r0.shutdown()  # unpins its slot: the model gets its own copy first
+    for v in (2, 3, 4):
+        fill(model, v)
+        sender.send_async(worker_ids=[1])
+        assert r1.receive(timeout=30.0) == v
+    assert holds(kept, 1)
 
 
 def test_trainer_writes_after_send_do_not_reach_receivers(group) -> None:

@@ -77,6 +77,15 @@ class Slot:
             raise
         return cls(path, fd, mm, writable=False)
 
+    def private_payload(self) -> torch.Tensor:
+        """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
+        this process. It follows the slot only while this process holds a lock on it."""
+        nbytes = len(self._mm) - HEAD
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mm = mmap.mmap(self._fd, HEAD + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)  # keeps ``mm`` alive
+
     # -- generation and locks ---------------------------------------------------------------
     @property
     def gen(self) -> int:

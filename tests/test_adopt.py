@@ -1,0 +1,44 @@
+"""Layout.adopt: a receiver's tensors become views of a delivery instead of copies, where they can."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wsync_core.layout import Layout
+from wsync_core.weights import flatten
+
+
+def test_parameters_and_buffers_are_adopted_views_are_copied() -> None:
+    sender, receiver = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+    base = torch.zeros(6)
+    receiver.register_buffer("part", base[:3])  # a view of another tensor: swapping it would cut the tie
+    sender.register_buffer("part", torch.zeros(3))
+    with torch.no_grad():
+        for i, t in enumerate(flatten(sender).values()):
+            t.fill_(i + 1)
+    layout = Layout.of(flatten(sender))
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(flatten(sender), buffer)
+    weight = receiver.weight
+    adopted = layout.adopt(buffer, flatten(receiver, detach=False))
+    assert receiver.weight is weight and weight.requires_grad  # the same Parameter, now a view
+    assert weight.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert receiver.part._base is base and torch.equal(base[:3], sender.part)  # copied, tie kept
+    assert all(t is not receiver.part for t in adopted)
+    for key, t in flatten(sender).items():
+        assert torch.equal(flatten(receiver)[key], t), key
+
+
+def test_nothing_on_another_device_or_of_a_subclass_is_adopted() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    src = {"a": torch.ones(4), "b": torch.full((2,), 2.0)}
+    layout = Layout.of(src)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(src, buffer)
+    dst = {"a": torch.zeros(4).as_subclass(Marked), "b": torch.zeros(2)}
+    adopted = layout.adopt(buffer, dst)
+    assert len(adopted) == 1 and adopted[0] is dst["b"]
+    assert torch.equal(dst["a"].as_subclass(torch.Tensor), src["a"]) and torch.equal(dst["b"], src["b"])
