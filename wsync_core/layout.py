@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,31 @@ class Layout:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read."""
         _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
 
+    def pack_stream(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, step: int,
+                    ready: Callable[[int], None]) -> None:
+        """Like ``pack``, in offset order, calling ``ready(n)`` each time about ``step`` more bytes
+        are final: bytes ``[0, n)`` of ``buffer`` then hold their last value. The last call has
+        ``n == nbytes``. A contiguous tensor larger than ``step`` is copied in pieces."""
+        done = reported = 0
+        with torch.no_grad():
+            for e, dst in zip(self._filled, self._views_of(buffer)):
+                src = tensors[e.key]
+                if e.nbytes > step and src.is_contiguous() and src.device == buffer.device:
+                    flat_dst = dst.reshape(-1).view(torch.uint8)
+                    flat_src = src.reshape(-1).view(torch.uint8)
+                    for a in range(0, e.nbytes, step):
+                        flat_dst[a:a + step].copy_(flat_src[a:a + step])
+                        done = e.offset + min(a + step, e.nbytes)
+                        if done - reported >= step:
+                            reported = _report(buffer, done, ready)
+                else:
+                    dst.copy_(src)
+                    done = e.offset + e.nbytes
+                    if done - reported >= step:
+                        reported = _report(buffer, done, ready)
+        if reported < self.nbytes or not self.nbytes:
+            _report(buffer, self.nbytes, ready)
+
     def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
         """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
         _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
@@ -254,6 +279,13 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         else:
             for d, s in zip(dsts, srcs):
                 d.copy_(s)
+
+
+def _report(buffer: torch.Tensor, n: int, ready: Callable[[int], None]) -> int:
+    if buffer.is_cuda:
+        torch.cuda.current_stream(buffer.device).synchronize()
+    ready(n)
+    return n
 
 
 def _adoptable(t: torch.Tensor, buffer: torch.Tensor) -> bool:

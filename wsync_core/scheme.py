@@ -364,7 +364,12 @@ class WeightSyncScheme:
         endpoint = self._endpoint
         t0 = time.perf_counter()
         buffer = endpoint.acquire(deadline)
-        self._layout.pack(tensors, buffer)
+        step = endpoint.stream_bytes
+        if step > 0 and not self._transport.checksum:  # a checksum needs the whole payload first
+            joined = [w for w in targets if w in self._joined]
+            self._layout.pack_stream(tensors, buffer, step, lambda n: endpoint.ready(buffer, n, joined))
+        else:
+            self._layout.pack(tensors, buffer)
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
         crc = crc32(buffer) if self._transport.checksum else None

@@ -144,6 +144,18 @@ Event = Union[Joined, Acked, Left]
 class SenderEndpoint(ABC):
     """The trainer's side of a transport. Used from one thread at a time."""
 
+    #: A streaming transport sets this to a number of bytes: the core then writes each new
+    #: snapshot in pieces of about this size, calling ``ready`` after each, so the transport can
+    #: move the first bytes while the rest is copied. 0 (the default): no ``ready`` calls.
+    stream_bytes: int = 0
+
+    def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
+        """Bytes ``[0, nbytes)`` of ``buffer`` (from the last ``acquire``) now hold the snapshot
+        bound for ``workers``; calls come with rising ``nbytes`` up to ``layout.nbytes``, then
+        ``publish`` gives the header. If the core fails in between, no ``publish`` follows: the
+        transport must make sure no receiver applies those bytes, and gets the buffer back from
+        the next ``acquire``."""
+
     def open(self, deadline: Deadline) -> None:
         """Bind, listen and allocate; may return before any receiver connects."""
 
