@@ -34,6 +34,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
     free_port,
+    zero_copy_for,
 )
 
 __all__ = [
@@ -67,4 +68,5 @@ __all__ = [
     "Deadline",
     "Layout",
     "free_port",
+    "zero_copy_for",
 ]

@@ -49,7 +49,12 @@ __all__ = [
     "ReceiverEndpoint",
     "Transport",
     "free_port",
+    "zero_copy_for",
+    "ZERO_COPY_MIN_BYTES",
 ]
+
+#: below this payload size, copying into a model costs less than mapping memory for it to adopt
+ZERO_COPY_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,14 @@ class Transport(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts})"
+
+
+def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:
+    """Whether a receiver should hand the core adoptable deliveries: ``option`` True or False
+    decides; None (automatic) means a CPU model of at least ``ZERO_COPY_MIN_BYTES``."""
+    if option is not None:
+        return bool(option) and ctx.device.type == "cpu"
+    return ctx.device.type == "cpu" and ctx.layout.nbytes >= ZERO_COPY_MIN_BYTES
 
 
 def free_port(host: str = "127.0.0.1") -> int:

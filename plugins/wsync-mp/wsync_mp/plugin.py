@@ -7,7 +7,7 @@ import sys
 
 from wsync_core import hookimpl
 from wsync_core.transport import Capabilities, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint, \
-    Transport
+    Transport, zero_copy_for
 
 from .receiver import MpReceiver
 from .sender import MpSender
@@ -28,8 +28,8 @@ class MpTransport(Transport):
       two are used unless workers stall).
     - ``checksum``: have the core add and check a CRC32 of every payload (default False).
     - ``zero_copy``: a worker's tensors become private copy-on-write maps of the slot instead of
-      copies (default True); the slot stays the worker's until it moves on. False copies into
-      the tensors the model already has.
+      copies; the slot stays the worker's until it moves on. False copies into the tensors the
+      model already has; None (default) maps models of 1 MiB and more and copies smaller ones.
     """
 
     name = "mp"
@@ -37,7 +37,7 @@ class MpTransport(Transport):
                                 subset_send=True, late_join=True, auth=True)
 
     def __init__(self, *, address: str | None = None, authkey: str | None = None, max_slots: int | None = None,
-                 checksum: bool = False, zero_copy: bool = True) -> None:
+                 checksum: bool = False, zero_copy: bool | None = None) -> None:
         if not sys.platform.startswith("linux"):
             raise RuntimeError(f"the mp transport needs Linux (memfd and SCM_RIGHTS); this is {sys.platform}")
         if address is None:
@@ -50,7 +50,7 @@ class MpTransport(Transport):
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 2):
             raise ValueError(f"max_slots must be an int >= 2, got {max_slots!r}")
         super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=bool(checksum),
-                         zero_copy=bool(zero_copy))
+                         zero_copy=None if zero_copy is None else bool(zero_copy))
 
     @property
     def _key(self) -> bytes:
@@ -61,7 +61,7 @@ class MpTransport(Transport):
         return MpSender(self.options["address"], self._key, ctx, max_slots)
 
     def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
-        return MpReceiver(self.options["address"], self._key, ctx, self.options["zero_copy"])
+        return MpReceiver(self.options["address"], self._key, ctx, zero_copy_for(self.options["zero_copy"], ctx))
 
     def __repr__(self) -> str:  # never print the secret
         opts = {**self.options, "authkey": "***" if self.options["authkey"] else None}

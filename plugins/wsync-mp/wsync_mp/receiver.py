@@ -3,7 +3,7 @@
 The reader releases a notification as soon as a newer one arrives, so a worker that calls
 ``receive`` rarely still pins at most two of the sender's slots. Payloads are private
 copy-on-write maps of the sender's sealed slots, which the core adopts as the model's tensors
-(``zero_copy``, the default) and releases when the model moves on; or read-only maps it copies
+(``zero_copy``) and releases when the model moves on; or read-only maps it copies
 from.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["MpReceiver"]
 
 log = logging.getLogger("wsync.mp")
 
-_READ_CHUNK = 256 * 1024
+_READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: how long an ack or release may wait for room in the socket before the connection counts as dead
 _SEND_TIMEOUT = 30.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -38,7 +38,7 @@ _live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
 
 class MpReceiver(ReceiverEndpoint):
-    def __init__(self, address: str, authkey: bytes, ctx: ReceiverContext, zero_copy: bool = True) -> None:
+    def __init__(self, address: str, authkey: bytes, ctx: ReceiverContext, zero_copy: bool) -> None:
         self.address = address
         self.authkey = authkey
         self.worker = ctx.worker_idx

@@ -33,7 +33,7 @@ log = logging.getLogger("wsync.mp")
 
 #: notifications a worker may hold unreleased (the newest unread one and the one it applies)
 _OUTSTANDING = 2
-_READ_CHUNK = 256 * 1024
+_READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: events kept for poll(); a worker that floods past this is dropped
 _MAX_EVENTS = 65536
 _live: weakref.WeakSet[MpSender] = weakref.WeakSet()

@@ -93,7 +93,7 @@ def test_lagging_and_subset_receivers_get_their_newest_version(group) -> None:
 
 
 def test_zero_copy_receivers_view_a_pinned_slot_and_write_privately(group) -> None:
-    name, sender, model, (r0, r1) = group(2)
+    name, sender, model, (r0, r1) = group(2, zero_copy=True)
     w0 = model_of(r0)["w"]
     fill(model, 1)
     sender.send_async()
@@ -114,17 +114,17 @@ def test_zero_copy_receivers_view_a_pinned_slot_and_write_privately(group) -> No
 
 
 def test_zero_copy_takes_the_slots_memory_and_copy_mode_keeps_the_models(group) -> None:
-    for zero_copy in (True, False):
-        _, sender, model, (r0,) = group(1, zero_copy=zero_copy)
+    for zero_copy in (True, False, None):
+        _, sender, model, (r0,) = group(1, zero_copy=zero_copy)  # explicit: the model is small
         before = model_of(r0)["w"].data_ptr()
         fill(model, 1)
         sender.send_async()
         assert r0.receive(timeout=30.0) == 1 and holds(model_of(r0), 1)
-        assert (model_of(r0)["w"].data_ptr() != before) is zero_copy
+        assert (model_of(r0)["w"].data_ptr() != before) is bool(zero_copy)  # None: small models are copied
 
 
 def test_a_receiver_shut_down_keeps_its_weights_while_the_slot_is_reused(group) -> None:
-    _, sender, model, (r0, r1) = group(2)
+    _, sender, model, (r0, r1) = group(2, zero_copy=True)
     fill(model, 1)
     sender.send_async()
     assert [r.receive(timeout=30.0) for r in (r0, r1)] == [1, 1]

@@ -5,9 +5,9 @@ the common case. The core writes each snapshot straight into a free slot (the on
 copy); the sender then tells each target, over its socket, "slot i holds generation g" with
 the header. A receiver takes a shared lock on slot i, checks the generation and hands the
 core a private copy-on-write map of the slot, whose views become the model's tensors
-(``zero_copy``, the default: no receiver-side copy); the lock, and so the slot, stays taken
-until the model moves on to a newer version. With ``zero_copy=False`` the core copies a
-read-only view into the model and releases the lock at once.
+(``zero_copy``: no receiver-side copy); the lock, and so the slot, stays taken until the
+model moves on to a newer version. Otherwise the core copies a read-only view into the model
+and releases the lock at once.
 
 A slot is free for the next snapshot when it is not the latest, no worker has been told to
 read it without having read it yet (its *mailbox*), and no reader holds its lock. A receiver
@@ -50,6 +50,7 @@ from wsync_core import (
     Transport,
     TransportError,
     WorkerTimeoutError,
+    zero_copy_for,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.transport import Event
@@ -65,7 +66,7 @@ _WORKER = struct.Struct("<q")
 _TAKEN = struct.Struct("<Q")
 _DELIVER = struct.Struct("<IQ")  # slot index, generation
 _ACK_SEND_TIMEOUT = 30.0
-_CHUNK = 1 << 20
+_CHUNK = 1 << 16  # a larger read buffer costs an mmap per call: 12 us at 1 MiB
 
 
 def _slot_path(name: str, token: str, index: int) -> str:
@@ -326,7 +327,7 @@ class _Receiver(ReceiverEndpoint):
         self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
-        self._zero_copy: bool = transport.options["zero_copy"] and ctx.device.type == "cpu"
+        self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
 
     def open(self, deadline: Deadline) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -466,23 +467,24 @@ class ShmTransport(Transport):
     """Shared memory on one host. ``name`` is the channel (default: unique); receivers built
     independently with the same ``name`` find the sender.
 
-    With ``zero_copy`` (the default), a CPU receiver's tensors become private copy-on-write
-    mappings of the slot instead of copies: one memcpy per update whatever the number of
-    workers, and workers share the slot's memory. The slot stays pinned until the worker moves
-    on; the worker's own writes to its tensors stay its own. ``zero_copy=False`` copies into the
-    tensors the model already has (for code that holds tensors across ``receive()``, or
-    captured them in a CUDA graph).
+    With ``zero_copy``, a CPU receiver's tensors become private copy-on-write mappings of the
+    slot instead of copies: one memcpy per update whatever the number of workers, and workers
+    share the slot's memory. The slot stays pinned until the worker moves on; the worker's own
+    writes to its tensors stay its own. ``zero_copy=False`` copies into the tensors the model
+    already has (for code that holds tensors across ``receive()``). The default, None, maps
+    models of 1 MiB and more and copies smaller ones (cheaper than mapping them).
     """
 
     name = "shm"
     capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
                                 late_join=True, cuda=True)
 
-    def __init__(self, *, name: str | None = None, checksum: bool = False, zero_copy: bool = True) -> None:
+    def __init__(self, *, name: str | None = None, checksum: bool = False,
+                 zero_copy: bool | None = None) -> None:
         name = name or uuid.uuid4().hex[:16]
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
-        super().__init__(name=name, checksum=bool(checksum), zero_copy=bool(zero_copy))
+        super().__init__(name=name, checksum=bool(checksum), zero_copy=None if zero_copy is None else bool(zero_copy))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)
