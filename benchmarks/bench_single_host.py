@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import selectors
+import socket
+import statistics
 import sys
+import time
 from typing import Any
 
 from wsync_core import bench
@@ -68,6 +73,42 @@ def check_targets(two: bench.Report, eight: bench.Report) -> list[dict[str, Any]
     return out
 
 
+def _echo(sock: socket.socket) -> None:
+    while sock.recv(4096):
+        sock.send(b"a" * 40)
+
+
+def notify_floor(workers: int, rounds: int = 1000) -> float:
+    """Median seconds for this machine's floor of a small update: a 300-byte message over a Unix
+    socket to each of ``workers`` spawned processes and a 40-byte reply from each, no Python work
+    in between (what wsync's header and ack cost at the least)."""
+    ctx = multiprocessing.get_context("spawn")
+    pairs = [socket.socketpair() for _ in range(workers)]
+    procs = [ctx.Process(target=_echo, args=(b,), daemon=True) for _, b in pairs]
+    for proc in procs:
+        proc.start()
+    lat = []
+    with selectors.DefaultSelector() as sel:
+        for a, _ in pairs:
+            sel.register(a, selectors.EVENT_READ)
+        for _ in range(rounds + 50):
+            t0 = time.perf_counter()
+            for a, _ in pairs:
+                a.send(b"x" * 300)
+            got = 0
+            while got < workers:
+                for key, _ in sel.select(30.0):
+                    key.fileobj.recv(4096)
+                    got += 1
+            lat.append(time.perf_counter() - t0)
+    for a, b in pairs:
+        a.close()
+        b.close()
+    for proc in procs:
+        proc.join(10)
+    return statistics.median(lat[50:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="10KiB,512MiB")
@@ -78,14 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     two = bench.run(bench.BenchConfig(["shm", "mp"], sizes, workers=2, repeat=args.repeat, compare=["torchrl"]))
     eight = bench.run(bench.BenchConfig(["shm"], sizes, workers=8, repeat=args.repeat))
     targets = check_targets(two, eight)
+    floors = {n: notify_floor(n) for n in (2, 8)}
     print("2 workers\n" + bench.format_table(two) + "\n\n8 workers\n" + bench.format_table(eight) + "\n")
     width = max(len(t["target"]) for t in targets)
     for t in targets:
         print(f"{t['status']:<7} {t['target']:<{width}}  {t['figure']}")
+    print("\nsmall-update floor (raw Unix-socket message + reply, no work): " +
+          ", ".join(f"{n} workers {f * 1e3:.3f} ms" for n, f in floors.items()))
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"two_workers": two.to_dict(), "eight_workers": eight.to_dict(), "targets": targets}, f,
-                      indent=2)
+            json.dump({"two_workers": two.to_dict(), "eight_workers": eight.to_dict(), "targets": targets,
+                       "notify_floor_s": floors}, f, indent=2)
         print(f"wrote {args.json_file}")
     return 1 if any(r.error for rep in (two, eight) for r in rep.rows if r.kind == "wsync") else 0
 
