@@ -42,3 +42,16 @@ def test_nothing_on_another_device_or_of_a_subclass_is_adopted() -> None:
     adopted = layout.adopt(buffer, dst)
     assert len(adopted) == 1 and adopted[0] is dst["b"]
     assert torch.equal(dst["a"].as_subclass(torch.Tensor), src["a"]) and torch.equal(dst["b"], src["b"])
+
+
+def test_memory_shared_on_purpose_is_copied_into_not_replaced() -> None:
+    src = {"shared": torch.ones(4), "plain": torch.full((2,), 2.0)}
+    layout = Layout.of(src)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(src, buffer)
+    dst = {"shared": torch.zeros(4).share_memory_(), "plain": torch.zeros(2)}
+    before = dst["shared"].data_ptr()
+    adopted = layout.adopt(buffer, dst)
+    assert len(adopted) == 1 and adopted[0] is dst["plain"]
+    assert dst["shared"].data_ptr() == before and dst["shared"].is_shared()  # other processes still see it
+    assert torch.equal(dst["shared"], src["shared"])

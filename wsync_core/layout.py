@@ -224,8 +224,9 @@ class Layout:
         """Make each target a view of the flat ``buffer`` instead of copying into it, where it can.
 
         A target keeps its Python object (a Parameter stays the module's Parameter); its storage
-        becomes the buffer's. Targets that cannot (another device, a view of another tensor, a
-        tensor subclass, a non-leaf) are copied into as by ``unpack``. Returns the adopted ones.
+        becomes the buffer's. Targets that cannot (another device, a view of another tensor,
+        shared or pinned memory, a tensor subclass, a non-leaf) are copied into as by ``unpack``.
+        Returns the adopted ones.
         """
         adopted: list[torch.Tensor] = []
         dsts, srcs = [], []
@@ -234,11 +235,14 @@ class Layout:
                 t = targets[e.key]
                 view = self.view(buffer, e)
                 if _adoptable(t, buffer):
-                    t.data = view
-                    adopted.append(t)
-                else:
-                    dsts.append(t)
-                    srcs.append(view)
+                    try:
+                        t.data = view
+                        adopted.append(t)
+                        continue
+                    except RuntimeError:  # a tensor torch will not re-point: copy into it like the rest
+                        pass
+                dsts.append(t)
+                srcs.append(view)
         _copy_all(dsts, srcs)
         return adopted
 
@@ -289,8 +293,11 @@ def _report(buffer: torch.Tensor, n: int, ready: Callable[[int], None]) -> int:
 
 
 def _adoptable(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``t`` may trade its storage for a view of ``buffer``: not when its memory is shared
+    on purpose (a view of another tensor, shared or pinned memory), nor for subclasses."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == buffer.device and t._base is None
-            and t.is_leaf and not t.is_inference())
+            and t.is_leaf and not t.is_inference() and t.layout == torch.strided
+            and not (t.device.type == "cpu" and (t.is_shared() or t.is_pinned())))
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
