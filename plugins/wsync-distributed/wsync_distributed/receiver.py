@@ -1,6 +1,13 @@
 """A worker's side: a background thread takes part in the sender's broadcasts into the worker's
-own receive buffers (never the model), so the sender never waits for ``receive()``; ``recv``
-hands the newest complete buffer to the core, which applies it in the caller's thread.
+own receive buffers (never the model), so the sender never waits for ``receive()``; a buffer is
+handed to the core only once the sender's ``commit`` for it arrives (never for an aborted or
+half-received one), and ``recv`` gives the core the newest.
+
+Deliveries are adoptable: the core makes the model's tensors views of the buffer instead of
+copying it, and releases it once the model moved on to a newer version. A buffer the core holds
+is never written; the pool grows to at most ``_POOL`` buffers (the one the model views, one the
+core is applying, one delivered but not yet taken, one being filled), which is enough for every
+order of events the core produces; otherwise the thread waits for a release.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ log = logging.getLogger("wsync.distributed")
 
 #: seconds between two heartbeats
 HEARTBEAT_S = 0.2
-#: receive buffers kept (one the core holds, one being filled; a third only while the core holds two)
-_POOL = 2
+#: receive buffers kept at most (see the module's docstring); usually 2: the model's and the next
+_POOL = 4
 
 
 class DistributedReceiver(ReceiverEndpoint):
@@ -43,6 +50,7 @@ class DistributedReceiver(ReceiverEndpoint):
         self.pool: list[torch.Tensor] = []
         self.held: set[int] = set()
         self.ready: tuple[int | None, bytes] | None = None  # (slot or None for header-only, header)
+        self.filled: tuple[int, int] | None = None  # (seq, slot): received in full, not yet committed
         self.error: str | None = None
         self.bye = False
         self.closing = False
@@ -76,7 +84,7 @@ class DistributedReceiver(ReceiverEndpoint):
             if slot is None:
                 return Delivery(header, torch.empty(0, dtype=torch.uint8))
             self.held.add(slot)
-            return Delivery(header, self.pool[slot], lambda: self._release(slot))
+            return Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True)
 
     def ack(self, data: bytes) -> None:
         if self.store is None:
@@ -95,10 +103,10 @@ class DistributedReceiver(ReceiverEndpoint):
             self.cond.notify_all()
         self.stopped.set()
         store = self.store
-        if store is not None:
+        if store is not None and not self.bye:  # after "bye" the store is gone (its client would log errors)
             try:
                 store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker, b"receiver shut down"))
-                stop = wire.encode_control(wire.Control(None, (), 0, 1, (), kind="stop"))
+                stop = wire.encode_control(wire.Control(kind="stop"))
                 store.queue_push(wire.inbox_key(self.inbox), stop)
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
                 log.debug("distributed worker %d: goodbye failed: %s", self.worker, wire.brief(exc))
@@ -119,22 +127,40 @@ class DistributedReceiver(ReceiverEndpoint):
             self.held.discard(slot)
             self.cond.notify_all()
 
-    def _slot(self) -> int:
-        """A buffer to fill: free, else new, else the undelivered ready one (dropped: only the newest counts)."""
+    def _slot(self) -> int | None:
+        """A buffer to fill: free, else new (up to ``_POOL``), else the undelivered ready one (dropped:
+        only the newest counts), else one the core releases in time. None: no buffer freed up."""
+        deadline = Deadline(self.cfg.timeout)
         with self.cond:
-            ready = self.ready[0] if self.ready is not None else None
-            for i in range(len(self.pool)):
-                if i not in self.held and i != ready:
-                    return i
-            if len(self.pool) < _POOL or ready is None:
-                self.pool.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
-                return len(self.pool) - 1
-            self.ready = None
-            return ready
+            self.filled = None  # the sender moved on: what it left uncommitted is dead
+            while True:
+                ready = self.ready[0] if self.ready is not None else None
+                for i in range(len(self.pool)):
+                    if i not in self.held and i != ready:
+                        return i
+                if len(self.pool) < _POOL:
+                    self.pool.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
+                    return len(self.pool) - 1
+                if ready is not None:
+                    self.ready = None
+                    return ready
+                if deadline.expired() or self.closing:
+                    return None
+                self.cond.wait(deadline.slice(1.0))
 
     def _deliver(self, slot: int | None, header: bytes) -> None:
         with self.cond:
             self.ready = (slot, header)
+            self.cond.notify_all()
+
+    def _commit(self, seq: int, header: bytes) -> None:
+        """Deliver the bytes of ``seq`` with ``header``, if this worker received all of them."""
+        with self.cond:
+            filled, self.filled = self.filled, None
+            if filled is None or filled[0] != seq:
+                log.debug("distributed worker %d: commit of %d, but this worker holds %s", self.worker, seq, filled)
+                return
+            self.ready = (filled[1], header)
             self.cond.notify_all()
 
     # -- threads ---------------------------------------------------------------------------
@@ -170,41 +196,64 @@ class DistributedReceiver(ReceiverEndpoint):
             except TransportError as exc:
                 log.warning("distributed worker %d: ignoring a bad control message: %s", self.worker, exc)
                 continue
-            if ctl.kind == "bye":
+            if ctl.kind == "bye":  # the sender's store closes next: stop using it
                 with self.cond:
                     self.bye = True
                     self.cond.notify_all()
+                self.stopped.set()
                 return
             if ctl.kind == "stop":
+                continue
+            if ctl.kind == "commit":
+                self._commit(ctl.seq, header)
+                continue
+            if ctl.kind == "abort":
+                with self.cond:
+                    if self.filled is not None and self.filled[0] == ctl.seq:
+                        self.filled = None
                 continue
             for name in [n for n in self.groups if n not in ctl.live and n != ctl.group]:
                 _abort(self.groups.pop(name))
             if ctl.group is None or ctl.nbytes != self.nbytes:
+                with self.cond:
+                    self.filled = None
                 self._deliver(None, header)  # header only: the core reports the mismatch
                 continue
-            self._take_part(store, ctl, header)
+            self._take_part(store, ctl)
 
-    def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
+    def _take_part(self, store: dist.Store, ctl: wire.Control) -> None:
+        """Receive the broadcast of ``ctl.seq`` into a free buffer; it waits there for its commit."""
         if self.worker not in ctl.members:
             log.warning("distributed worker %d: group %s does not list this worker", self.worker, ctl.group)
+            with self.cond:
+                self.filled = None
             return
         rank = ctl.members.index(self.worker) + 1
         slot = self._slot()
+        if slot is None:  # the collective must still complete: receive into scratch, deliver nothing
+            log.warning("distributed worker %d: all %d receive buffers are held; dropping version seq %d",
+                        self.worker, _POOL, ctl.seq)
+            buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            buffer = self.pool[slot]
         try:
             group = self.groups.get(ctl.group)
             if group is None:
                 group = self.groups[ctl.group] = wire.new_group(self.cfg, store, ctl.group, rank,
                                                                 len(ctl.members) + 1)
             if self.nbytes:
-                works = wire.broadcast(group, self.pool[slot], ctl.bucket)
-                wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing)
+                works = wire.broadcast(group, buffer, ctl.bucket)
+                wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing,
+                                self.device.type == "cuda")
         except (RuntimeError, TransportError) as exc:
             log.warning("distributed worker %d: broadcast in group %s failed: %s", self.worker, ctl.group, wire.brief(exc))
             group = self.groups.pop(ctl.group, None)
             if group is not None:
                 _abort(group)
             return
-        self._deliver(slot, header)
+        if slot is not None:
+            with self.cond:
+                self.filled = (ctl.seq, slot)
 
 
 def _abort(group: dist.ProcessGroup) -> None:

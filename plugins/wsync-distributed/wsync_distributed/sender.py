@@ -4,6 +4,14 @@ Three threads touch the store, each through its own client: the caller's (``poll
 checks), an event reader (joins, acks, leaves) and a broadcaster (control messages, groups,
 broadcasts). A group holds the sender (rank 0) and exactly the targets of a delivery; groups are
 cached by membership and rebuilt without a worker that fails.
+
+Protocol (see ``wire``): a buffer's contents get a number (``seq``) when ``acquire`` hands it out.
+The broadcaster tells each target ``data(seq)``, broadcasts the bytes, and sends ``commit(seq,
+header)`` only for a buffer the core published; receivers deliver nothing before the commit. The
+endpoint streams: the core's ``ready`` calls start the broadcast while it still copies the
+snapshot (bucket k travels while bucket k+1 is copied), and the commit follows ``publish``. A
+stream the core abandons (it calls ``acquire``, ``poll`` or ``close`` without publishing it) is
+broadcast to the end, so every receiver's collective completes, then ``abort(seq)`` drops it.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ _GROUPS = 8
 _HEARTBEAT_CHECK_S = 0.25
 #: attempts per delivery (each without the workers found dead)
 _ATTEMPTS = 3
+#: the core reports progress (``ready``) this many times per bucket
+_READY_PER_BUCKET = 2
 
 
 @dataclass
@@ -58,10 +68,36 @@ class _Peer:
 
 
 @dataclass
-class _Job:
-    slot: int
+class _Publish:
+    """One ``publish`` call: the header for ``todo``, the workers not yet sent a commit for it."""
+
+    seq: int
     header: bytes
+    todo: set[int]
+
+
+@dataclass
+class _Stream:
+    """A snapshot being written (bytes ``[0, ready)`` final) and broadcast to ``workers``."""
+
+    slot: int
+    seq: int
     workers: list[int]
+    ready: int = 0
+    published: bool = False
+    abandoned: bool = False
+    finished: bool = False
+    publishes: list[_Publish] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    """Work for the broadcaster: a stream, a publish, or (``slot`` None) the abort of ``seq``."""
+
+    slot: int | None
+    seq: int
+    stream: _Stream | None = None
+    publish: _Publish | None = None
 
 
 class DistributedSender(SenderEndpoint):
@@ -76,13 +112,23 @@ class DistributedSender(SenderEndpoint):
             self.device = ctx.device
         else:
             self.device = torch.device("cpu")
+        self.stream_bytes = max(1, cfg.bucket_bytes // _READY_PER_BUCKET)
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.events: deque[Event] = deque()
         self.jobs: deque[_Job] = deque()
         self.pool: list[torch.Tensor] = []
         self.busy: dict[int, int] = {}
-        self.latest: int | None = None
+        self.seqs: dict[int, int] = {}  # slot -> seq of its contents
+        self.seq = 0
+        self.latest: int | None = None  # the slot last published
+        self.written: int | None = None  # the slot last written in full (the core's latest, published or not)
+        self.acquired: int | None = None  # the slot last acquired, unless abandoned
+        self.stream: _Stream | None = None  # ready() called, publish() not yet
+        self.live: dict[int, _Stream] = {}  # seq -> stream whose broadcast has not finished
+        # worker -> (seq, inbox) of bytes it holds in full but was not told to deliver (mirrors its
+        # receiver's state; dropped when anything else is sent to it)
+        self.waiting: dict[int, tuple[int, str]] = {}
         self.stale: set[int] = set()
         self.closing = False
         self.store: dist.Store | None = None
@@ -103,34 +149,68 @@ class DistributedSender(SenderEndpoint):
             self.threads.append(thread)
 
     def acquire(self, deadline: Deadline) -> torch.Tensor:
+        """A buffer no broadcast reads and that is not the core's latest; raises WorkerTimeoutError."""
         with self.cond:
+            self._abandon()
             while True:
-                for i, buffer in enumerate(self.pool):
-                    if i != self.latest and not self.busy.get(i):
-                        return buffer
-                if len(self.pool) < _POOL:
+                keep = {self.latest, self.written, self.acquired}
+                slot = next((i for i in range(len(self.pool)) if i not in keep and not self.busy.get(i)), None)
+                if slot is None and len(self.pool) < _POOL:
                     self.pool.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
-                    return self.pool[-1]
+                    slot = len(self.pool) - 1
+                if slot is not None:
+                    self.seq += 1
+                    self.seqs[slot] = self.seq
+                    self.acquired = slot
+                    return self.pool[slot]
                 if deadline.expired():
-                    busy = sorted({w for job in self.jobs for w in job.workers})
+                    busy = sorted({w for s in self.live.values() for w in s.workers})
                     raise WorkerTimeoutError(f"distributed: no send buffer freed up within {deadline.timeout:g} s; "
                                              f"broadcasts to workers {busy} are still in flight", busy)
                 self.cond.wait(deadline.slice(1.0))
+
+    def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
+        """Bytes ``[0, nbytes)`` of ``buffer`` are final: the broadcaster may send them to ``workers``
+        (the first call starts the stream)."""
+        with self.cond:
+            slot = self._slot_of(buffer, "ready")
+            stream = self.stream
+            if stream is None or stream.slot != slot:
+                self._abandon()
+                stream = self.stream = _Stream(slot, self.seqs[slot], sorted(set(workers)))
+                if stream.workers:
+                    self.busy[slot] = self.busy.get(slot, 0) + 1
+                    self.live[stream.seq] = stream
+                    self.jobs.append(_Job(slot, stream.seq, stream=stream))
+            stream.ready = nbytes
+            if nbytes >= self.nbytes:
+                self.written = slot
+            self.cond.notify_all()
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
         if len(header) > wire.MAX_HEADER:
             raise TransportError(f"distributed: a header of {len(header)} bytes exceeds this transport's limit of "
                                  f"{wire.MAX_HEADER} bytes (the store carries it)")
         with self.cond:
-            slot = next((i for i, b in enumerate(self.pool) if b is buffer), None)
-            if slot is None:
-                raise TransportError("distributed: publish() got a buffer that acquire() did not return")
+            slot = self._slot_of(buffer, "publish")
+            stream = self.stream
+            if stream is not None and stream.slot == slot:
+                stream.published, self.stream = True, None
+            elif stream is not None:
+                self._abandon()
+            seq = self.seqs[slot]
+            item = _Publish(seq, bytes(header), set(workers))
+            live = self.live.get(seq)
+            if live is not None and not live.abandoned:  # its broadcast may commit at once, before this job's turn
+                live.publishes.append(item)
             self.busy[slot] = self.busy.get(slot, 0) + 1
-            self.latest = slot
-            self.jobs.append(_Job(slot, bytes(header), list(workers)))
+            self.latest = self.written = slot
+            self.jobs.append(_Job(slot, seq, publish=item))
             self.cond.notify_all()
 
     def poll(self, deadline: Deadline) -> list[Event]:
+        with self.cond:
+            self._abandon()
         while True:
             self._check_heartbeats()
             with self.cond:
@@ -144,12 +224,13 @@ class DistributedSender(SenderEndpoint):
         with self.cond:
             if self.closing:
                 return
+            self._abandon()
             self.closing = True
             peers = dict(self.peers)
             self.cond.notify_all()
         store = self.store
         if store is not None:
-            bye = wire.encode_control(wire.Control(None, (), 0, 1, (), kind="bye"))
+            bye = wire.encode_control(wire.Control(kind="bye"))
             try:
                 for peer in peers.values():
                     store.queue_push(wire.inbox_key(peer.inbox), bye)
@@ -169,6 +250,31 @@ class DistributedSender(SenderEndpoint):
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+    # -- streams ---------------------------------------------------------------------------
+    def _slot_of(self, buffer: torch.Tensor, call: str) -> int:
+        slot = next((i for i, b in enumerate(self.pool) if b is buffer), None)
+        if slot is None:
+            raise TransportError(f"distributed: {call}() got a buffer that acquire() did not return")
+        return slot
+
+    def _abandon(self) -> None:
+        """The core left the open stream unpublished (it failed while writing it): its broadcast is
+        finished with whatever bytes are there, then its receivers are told to drop them (caller
+        holds ``cond``)."""
+        stream = self.stream
+        if stream is None:
+            return
+        self.stream = None
+        if stream.ready < self.nbytes and self.acquired == stream.slot:
+            self.acquired = None  # half-written: free to write again
+        if not stream.workers:  # nothing was sent
+            return
+        stream.abandoned = True
+        log.info("distributed sender: the snapshot numbered %d was abandoned before publish; its receivers "
+                 "drop it", stream.seq)
+        self.jobs.append(_Job(None, stream.seq))
+        self.cond.notify_all()
 
     # -- liveness --------------------------------------------------------------------------
     def _beats(self, store: dist.Store, workers: list[int]) -> dict[int, int]:
@@ -260,6 +366,7 @@ class DistributedSender(SenderEndpoint):
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransportError(f"malformed join from worker {w}: {exc}") from None
             self.peers[w] = _Peer(inbox, nbytes)
+            self.waiting.pop(w, None)
             self.stale.add(w)
             self.events.append(Joined(w))
         elif kind == wire.ACK:
@@ -271,6 +378,8 @@ class DistributedSender(SenderEndpoint):
 
     # -- the broadcaster -------------------------------------------------------------------
     def _broadcast_jobs(self, store: dist.Store) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.jobs or self.closing)
@@ -281,34 +390,105 @@ class DistributedSender(SenderEndpoint):
             for members in [m for m in self.groups if stale.intersection(m)]:
                 _drop(self.groups.pop(members)[1])
             try:
-                self._deliver(store, job)
+                if job.stream is not None:
+                    self._run_stream(store, job.stream)
+                elif job.publish is not None:
+                    self._run_publish(store, job.slot, job.publish)
+                else:
+                    self._run_abort(store, job.seq)
             except (RuntimeError, TransportError) as exc:  # the store connection itself failed
-                log.warning("distributed sender: delivery to workers %s failed: %s", job.workers, wire.brief(exc))
+                log.warning("distributed sender: a delivery failed: %s", wire.brief(exc))
                 try:
                     store = wire.clone(self.store)
                 except (RuntimeError, AttributeError) as again:
                     log.warning("distributed sender: cannot reconnect to the store: %s", wire.brief(again))
             finally:
                 with self.cond:
-                    self.busy[job.slot] -= 1
+                    if job.stream is not None:
+                        job.stream.finished = True
+                        self.live.pop(job.seq, None)
+                    if job.slot is not None:
+                        self.busy[job.slot] -= 1
                     self.cond.notify_all()
 
-    def _deliver(self, store: dist.Store, job: _Job) -> None:
+    def _run_stream(self, store: dist.Store, stream: _Stream) -> None:
+        """Broadcast a snapshot as the core writes it; commit it to the workers it was published to."""
         with self.cond:
-            peers = {w: self.peers[w] for w in job.workers if w in self.peers}
-            buffer = self.pool[job.slot]
-        misfit = [w for w, p in peers.items() if p.nbytes != self.nbytes]
+            if stream.abandoned:  # before anything was sent
+                return
+            peers = {w: self.peers[w] for w in stream.workers if w in self.peers}
+            buffer = self.pool[stream.slot]
+        # a worker whose model does not fit gets its header with the publish job
+        targets = sorted(w for w, p in peers.items() if p.nbytes == self.nbytes)
+        self._attempts(store, buffer, stream.seq, targets, peers, stream)
+        if stream.abandoned:
+            self._run_abort(store, stream.seq)
+
+    def _run_publish(self, store: dist.Store, slot: int, item: _Publish) -> None:
+        """Send ``item``'s header: a commit where the worker holds the bytes already (a stream), else
+        the whole buffer first."""
+        with self.cond:
+            peers = {w: self.peers[w] for w in sorted(item.todo) if w in self.peers}
+            now = [w for w, p in peers.items() if self.waiting.get(w) == (item.seq, p.inbox)]
+            for w in now:
+                del self.waiting[w]
+            item.todo.difference_update(now)
+            rest = {w: p for w, p in peers.items() if w in item.todo}
+            item.todo.clear()
+            buffer = self.pool[slot]
+        commit = wire.encode_control(wire.Control(kind="commit", seq=item.seq), item.header)
+        for w in now:
+            store.queue_push(wire.inbox_key(peers[w].inbox), commit)
+        misfit = [w for w, p in rest.items() if p.nbytes != self.nbytes]
         for w in misfit:  # the core rejects it from the header; no broadcast it could not take part in
-            ctl = wire.Control(None, (), self.nbytes, self.cfg.bucket_bytes, self._live(w))
-            store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl, job.header))
-        targets = sorted(w for w in peers if w not in misfit)
+            ctl = wire.Control(None, (), self.nbytes, self.cfg.bucket_bytes, self._live(w), seq=item.seq)
+            store.queue_push(wire.inbox_key(rest[w].inbox), wire.encode_control(ctl, item.header))
+        targets = sorted(w for w in rest if w not in misfit)
+        self._attempts(store, buffer, item.seq, targets, rest, None, _Publish(item.seq, item.header, set(targets)))
+
+    def _run_abort(self, store: dist.Store, seq: int) -> None:
+        """Tell the workers holding the bytes of ``seq`` to drop them."""
+        with self.cond:
+            victims = {w: inbox for w, (s, inbox) in self.waiting.items() if s == seq}
+            for w in victims:
+                del self.waiting[w]
+        abort = wire.encode_control(wire.Control(kind="abort", seq=seq))
+        for inbox in victims.values():
+            store.queue_push(wire.inbox_key(inbox), abort)
+
+    def _commit(self, store: dist.Store, seq: int, done: list[int], peers: dict[int, _Peer],
+                stream: _Stream | None, item: _Publish | None) -> None:
+        """``done`` hold the bytes of ``seq`` in full: commit those a publish named, remember the others
+        (never commit an abandoned stream)."""
+        pushes: list[tuple[str, bytes]] = []
+        with self.cond:
+            if stream is not None:
+                publishes = [] if stream.abandoned else stream.publishes
+            else:
+                publishes = [item] if item is not None else []
+            for w in done:
+                named = next((p for p in publishes if p.seq == seq and w in p.todo), None)
+                if named is None:
+                    self.waiting[w] = (seq, peers[w].inbox)
+                else:
+                    named.todo.discard(w)
+                    self.waiting.pop(w, None)
+                    pushes.append((peers[w].inbox, named.header))
+        for inbox, header in pushes:
+            store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="commit", seq=seq), header))
+
+    def _attempts(self, store: dist.Store, buffer: torch.Tensor, seq: int, targets: list[int],
+                  peers: dict[int, _Peer], stream: _Stream | None, item: _Publish | None = None) -> None:
+        """Broadcast to ``targets``, retrying without workers whose heartbeat stopped; commit each
+        success at once. Workers that fail for good are reported Left."""
         suspects: list[int] = []
         error = ""
         for _ in range(_ATTEMPTS):
             if not targets or self.closing:
                 break
             try:
-                self._broadcast(store, buffer, job.header, targets, peers)
+                self._broadcast(store, buffer, seq, targets, peers, stream)
+                self._commit(store, seq, targets, peers, stream, item)
                 targets = []
                 break
             except TransportError as exc:
@@ -331,7 +511,8 @@ class DistributedSender(SenderEndpoint):
                 revived = [w for w in suspects if w not in dead and w in self.peers]
             if revived:
                 try:
-                    self._broadcast(store, buffer, job.header, revived, peers)
+                    self._broadcast(store, buffer, seq, revived, peers, stream)
+                    self._commit(store, seq, revived, peers, stream, item)
                 except TransportError as exc:
                     _drop(self.groups.pop(tuple(revived), (None, None))[1])
                     with self.cond:
@@ -341,8 +522,24 @@ class DistributedSender(SenderEndpoint):
     def _live(self, w: int) -> tuple[str, ...]:
         return tuple(name for members, (name, _) in self.groups.items() if w in members)
 
-    def _broadcast(self, store: dist.Store, buffer: torch.Tensor, header: bytes, targets: list[int],
-                   peers: dict[int, _Peer]) -> None:
+    def _await(self, stream: _Stream, end: int, deadline: Deadline) -> None:
+        """Wait until the core has written bytes ``[0, end)`` of the stream (or abandoned it).
+        If it neither writes nor publishes by the deadline, the stream counts as abandoned."""
+        with self.cond:
+            while stream.ready < end and not stream.abandoned and not self.closing:
+                if deadline.expired():
+                    log.warning("distributed sender: the snapshot numbered %d stalled at %d of %d bytes; "
+                                "dropping it", stream.seq, stream.ready, self.nbytes)
+                    if self.stream is stream:
+                        self._abandon()
+                    stream.abandoned = True
+                    return
+                self.cond.wait(deadline.slice(1.0))
+
+    def _broadcast(self, store: dist.Store, buffer: torch.Tensor, seq: int, targets: list[int],
+                   peers: dict[int, _Peer], stream: _Stream | None) -> None:
+        """Tell ``targets`` to expect ``seq``, then broadcast ``buffer`` in buckets, each as soon as
+        the stream (if any) has it; returns once every bucket has left. Raises TransportError."""
         key = tuple(targets)
         if key not in self.groups:
             while len(self.groups) >= _GROUPS:
@@ -351,10 +548,14 @@ class DistributedSender(SenderEndpoint):
             self.groups[key] = (f"{self.group_count}", None)
         self.groups.move_to_end(key)
         name, group = self.groups[key]
+        with self.cond:
+            for w in targets:
+                self.waiting.pop(w, None)
         for w in targets:
-            ctl = wire.Control(name, key, self.nbytes, self.cfg.bucket_bytes, self._live(w))
-            store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl, header))
+            ctl = wire.Control(name, key, self.nbytes, self.cfg.bucket_bytes, self._live(w), seq=seq)
+            store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl))
         deadline = Deadline(self.cfg.timeout)
+        cuda = self.device.type == "cuda"
         try:
             if group is None:
                 t0 = time.monotonic()
@@ -362,9 +563,14 @@ class DistributedSender(SenderEndpoint):
                 self.groups[key] = (name, group)
                 log.debug("distributed sender: group %s with workers %s ready in %.3f s", name, targets,
                           time.monotonic() - t0)
-            if buffer.numel():
-                works = wire.broadcast(group, buffer, self.cfg.bucket_bytes)
-                wire.wait_works(works, deadline, f"broadcast to workers {targets}", lambda: self.closing)
+            works = []
+            bucket = self.cfg.bucket_bytes
+            for start in range(0, buffer.numel(), bucket):
+                end = min(start + bucket, buffer.numel())
+                if stream is not None:
+                    self._await(stream, end, deadline)
+                works.append(wire.broadcast_part(group, buffer[start:end]))
+            wire.wait_works(works, deadline, f"broadcast to workers {targets}", lambda: self.closing, cuda)
         except RuntimeError as exc:
             raise TransportError(f"group {name} with workers {targets}: {exc}") from exc
 

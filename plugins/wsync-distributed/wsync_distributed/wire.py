@@ -1,8 +1,19 @@
 """What crosses the store (events, control messages) and the process groups (bucketed broadcasts).
 
 Receivers push events (join, ack, leave) onto one store queue the sender pops; the sender pushes
-one control message per delivery onto each receiver's inbox queue. Both are length-checked
-bytes and JSON; nothing is unpickled. Payload bytes travel only through broadcasts.
+control messages onto each receiver's inbox queue, which the receiver handles in order:
+
+- ``data`` (group, members, size, bucket, ``seq``): take part in a bucketed broadcast of the
+  buffer contents numbered ``seq``; nothing is delivered yet. With no group it carries a header
+  only (a receiver whose model does not fit), delivered at once so the core can reject it;
+- ``commit`` (``seq``, the core's header): the bytes of ``seq`` are a published version: deliver
+  them, if this receiver got all of them. Sent only after the sender's core published that
+  buffer, so a snapshot the core abandoned half-written is never delivered;
+- ``abort`` (``seq``): drop the bytes of ``seq`` (the sender's core abandoned that snapshot);
+- ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down).
+
+Both directions are length-checked bytes and JSON; nothing is unpickled. Payload bytes travel
+only through broadcasts.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +38,7 @@ from .transport import Config
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
     "inbox_key", "heartbeat_key", "encode_event", "decode_event", "encode_control", "decode_control",
-    "listen", "connect", "clone", "new_group", "broadcast", "wait_works",
+    "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
 ]
 
 EVENTS = "events"
@@ -68,21 +80,28 @@ def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
     return kind, struct.unpack(">I", raw[1:5])[0], raw[5:]
 
 
+#: the kinds of control message (see the module's docstring)
+KINDS = ("data", "commit", "abort", "stop", "bye")
+
+
 @dataclass(frozen=True)
 class Control:
-    """One delivery to one receiver: which group broadcasts it (None: header only), and its size."""
+    """One message to one receiver: for ``data``, which group broadcasts the bytes numbered ``seq``
+    (None: header only) and their size; for ``commit``/``abort``, which bytes it is about."""
 
-    group: str | None
-    members: tuple[int, ...]
-    nbytes: int
-    bucket: int
-    live: tuple[str, ...]
-    kind: str = "data"  # "data", "stop" (wake up, closing) or "bye" (the sender shut down)
+    group: str | None = None
+    members: tuple[int, ...] = ()
+    nbytes: int = 0
+    bucket: int = 1
+    live: tuple[str, ...] = ()
+    kind: str = "data"
+    seq: int = 0
 
 
 def encode_control(ctl: Control, header: bytes = b"") -> bytes:
+    """The wire form of ``ctl`` followed by ``header`` (for ``commit`` and header-only ``data``)."""
     body = json.dumps({"k": ctl.kind, "g": ctl.group, "m": list(ctl.members), "n": ctl.nbytes, "b": ctl.bucket,
-                       "l": list(ctl.live)}, separators=(",", ":")).encode()
+                       "l": list(ctl.live), "s": ctl.seq}, separators=(",", ":")).encode()
     return struct.pack(">I", len(body)) + body + header
 
 
@@ -96,10 +115,11 @@ def decode_control(raw: bytes) -> tuple[Control, bytes]:
     try:
         obj: Any = json.loads(raw[4:4 + n])
         ctl = Control(group=obj["g"], members=tuple(obj["m"]), nbytes=obj["n"], bucket=obj["b"],
-                      live=tuple(obj["l"]), kind=obj["k"])
+                      live=tuple(obj["l"]), kind=obj["k"], seq=obj["s"])
     except (ValueError, KeyError, TypeError) as exc:
         raise TransportError(f"malformed control message: {exc}") from None
-    ok = (ctl.kind in ("data", "stop", "bye") and (ctl.group is None or isinstance(ctl.group, str))
+    ok = (ctl.kind in KINDS and (ctl.group is None or isinstance(ctl.group, str))
+          and isinstance(ctl.seq, int) and not isinstance(ctl.seq, bool) and ctl.seq >= 0
           and all(isinstance(m, int) and m >= 0 for m in ctl.members) and isinstance(ctl.nbytes, int)
           and ctl.nbytes >= 0 and isinstance(ctl.bucket, int) and ctl.bucket > 0
           and all(isinstance(g, str) for g in ctl.live))
@@ -161,20 +181,32 @@ def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int) -
     return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
 
 
+def broadcast_part(group: dist.ProcessGroup, part: torch.Tensor) -> Any:
+    """Start broadcasting ``part`` (a contiguous slice) from rank 0; returns the work handle."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return group.broadcast([part], opts)
+
+
 def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, bucket: int) -> list[Any]:
     """Start broadcasting ``buffer`` from rank 0 in buckets of ``bucket`` bytes; returns the work handles."""
-    works = []
-    for start in range(0, buffer.numel(), bucket):
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        works.append(group.broadcast([buffer[start:start + bucket]], opts))
-    return works
+    return [broadcast_part(group, buffer[start:start + bucket]) for start in range(0, buffer.numel(), bucket)]
 
 
-def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callable[[], bool]) -> None:
+def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callable[[], bool],
+               cuda: bool = False) -> None:
     """Wait for every work; raises TransportError on a failure, at ``deadline`` or once ``stop()``
-    (the group is then unusable)."""
+    (the group is then unusable).
+
+    Gloo works wake this thread from their completion callbacks (no polling delay); with ``cuda``
+    (NCCL) works are polled, since only ``is_completed`` says the device has finished.
+    """
+    works = list(works)
+    if not works:
+        return
+    if not cuda:
+        _wait_callbacks(works, deadline, what, stop)
     pause = 0.0002
     for work in works:
         while not work.is_completed():
@@ -188,3 +220,24 @@ def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callab
             work.wait()
         except RuntimeError as exc:
             raise TransportError(f"{what}: {brief(exc)}") from exc
+
+
+def _wait_callbacks(works: list[Any], deadline: Deadline, what: str, stop: Callable[[], bool]) -> None:
+    """Block until every work's future has completed (successfully or not), the deadline or ``stop()``."""
+    done = threading.Event()
+    lock = threading.Lock()
+    left = [len(works)]
+
+    def finished(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    for work in works:
+        work.get_future().add_done_callback(finished)
+    while not done.wait(deadline.slice(0.05)):
+        if deadline.expired():
+            raise TransportError(f"{what}: not finished within {deadline.timeout:g} s")
+        if stop():
+            raise TransportError(f"{what}: stopped, the endpoint is closing")
