@@ -1,12 +1,18 @@
 """A receiver process for the tests: builds its own scheme from options given on the command line.
 
-Prints one JSON line per event: {"event": "applied", "version": v, "sum": ...} or {"event": "error", ...}.
-Run as ``python dist_worker.py '<json>'`` (also under ``ip netns exec``).
+Prints one JSON line per event: {"event": "applied", "version": v, "sum": ..., "lo": ..., "hi": ...}
+(lo/hi: the smallest and largest value in the whole model) or {"event": "error", ...}. With
+``"hold": {"at": v, "file": path}`` it stops calling ``receive()`` once it holds version v and
+checks, again and again until ``path`` exists, that its model still holds exactly v (deliveries
+keep arriving in the background meanwhile); then prints {"event": "held", "checks": n, "bad": k,
+"pool": receive buffers} and goes on. Run as ``python dist_worker.py '<json>'`` (also under
+``ip netns exec``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -15,10 +21,15 @@ from wsync_core import WeightSyncScheme, WsyncError
 
 
 def weights(variant: str, value: float = 0.0) -> dict[str, torch.Tensor]:
-    """The test model: 'base' (a few tensors), 'other' (one shape differs) or 'big' (~n MiB)."""
+    """The test model: 'base' (a few tensors), 'other' (one shape differs), 'bigN' (N MiB) or
+    'mixedN' (N MiB of float32, then a small float64 tensor)."""
     if variant.startswith("big"):
         mib = int(variant[3:] or 16)
         return {"w": torch.full((mib << 18,), value, dtype=torch.float32)}
+    if variant.startswith("mixed"):
+        mib = int(variant[5:] or 16)
+        return {"a": torch.full((mib << 18,), value, dtype=torch.float32),
+                "b": torch.full((3,), value, dtype=torch.float64)}
     shape = (8, 5) if variant == "other" else (8, 4)
     return {"a": torch.full(shape, value), "b": torch.full((3,), value, dtype=torch.float64),
             "c": torch.zeros((), dtype=torch.int64) + int(value)}
@@ -33,14 +44,28 @@ def main() -> None:
     def say(**kw):
         print(json.dumps(kw), flush=True)
 
+    def applied(version: int) -> None:
+        lo = min(float(t.min()) for t in model.values() if t.numel())
+        hi = max(float(t.max()) for t in model.values() if t.numel())
+        say(event="applied", version=version, sum=float(model["a" if "a" in model else "w"].sum()), lo=lo, hi=hi)
+
     try:
         scheme.connect()
-        say(event="applied", version=scheme.version, sum=float(model["a" if "a" in model else "w"].sum()))
+        applied(scheme.version)
         end = time.monotonic() + cfg.get("run_s", 60.0)
+        hold = cfg.get("hold")
         while time.monotonic() < end and scheme.version < cfg.get("until", 0):
+            if hold and scheme.version == hold["at"]:
+                checks = bad = 0
+                while not os.path.exists(hold["file"]) and time.monotonic() < end:
+                    checks += 1
+                    bad += sum(not bool((t == hold["at"]).all()) for t in model.values())
+                    time.sleep(0.01)
+                say(event="held", checks=checks, bad=bad, pool=len(scheme._endpoint.pool))
+                hold = None
             v = scheme.receive(timeout=0.5)
             if v is not None:
-                say(event="applied", version=v, sum=float(model["a" if "a" in model else "w"].sum()))
+                applied(v)
     except WsyncError as exc:
         say(event="error", type=type(exc).__name__, message=str(exc))
     finally:
