@@ -55,3 +55,19 @@ def test_memory_shared_on_purpose_is_copied_into_not_replaced() -> None:
     assert len(adopted) == 1 and adopted[0] is dst["plain"]
     assert dst["shared"].data_ptr() == before and dst["shared"].is_shared()  # other processes still see it
     assert torch.equal(dst["shared"], src["shared"])
+
+
+def test_module_walk_lists_what_named_parameters_and_buffers_list() -> None:
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.Linear(3, 2, bias=False)))
+    model[1].register_buffer("scratch", torch.zeros(1), persistent=False)
+    model.register_parameter("nothing", None)
+    tied = nn.Module()
+    tied.a, tied.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    tied.b.weight = tied.a.weight
+    for m in (model, tied, nn.Linear(1, 1)):
+        expected = dict(m.named_parameters(remove_duplicate=False))
+        expected.update(m.named_buffers(remove_duplicate=False))
+        got = flatten(m, detach=False)
+        assert list(got) == list(expected)
+        assert all(got[k] is v for k, v in expected.items())

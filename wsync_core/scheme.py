@@ -339,9 +339,9 @@ class WeightSyncScheme:
             self._expect(_State.SENDER_CONNECTED, "send")
             targets = self._targets(worker_ids)
             if weights is None:
-                tensors = flatten(self._source, self.strategy)
+                tensors = flatten(self._source, self.strategy, detach=False)
             else:
-                tensors = flatten(weights, self.strategy)
+                tensors = flatten(weights, self.strategy, detach=False)
             self._layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
                                     context="send(weights=...)")
             self._pump(Deadline(0.0))
