@@ -38,7 +38,7 @@ def weights(variant: str, value: float = 0.0) -> dict[str, torch.Tensor]:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     scheme = WeightSyncScheme("distributed", timeout=cfg.get("timeout", 60.0), **cfg["options"])
-    model = weights(cfg.get("variant", "base"), -1.0)
+    model = {k: t.to(cfg.get("device", "cpu")) for k, t in weights(cfg.get("variant", "base"), -1.0).items()}
     scheme.init_on_receiver(model=model, worker_idx=cfg["idx"])
 
     def say(**kw):

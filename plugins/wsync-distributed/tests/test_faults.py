@@ -60,9 +60,26 @@ def test_schema_mismatch_raises_on_both_sides(workers, variant):
     assert errors and errors[0]["type"] == "SchemaMismatchError", errors
 
 
-def test_nccl_path():
+def test_nccl_path(workers):
+    """NCCL: CUDA buffers on both sides (one GPU per rank), a streamed snapshot, the model adopting
+    the receive buffer on its own device."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available on this machine")
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL needs one GPU per rank; this machine has {torch.cuda.device_count()}")
-    pytest.skip("NCCL multi-GPU run not wired into this suite yet")
+    scheme = WeightSyncScheme("distributed", timeout=120.0, backend="nccl", bucket_mb=1)
+    w = {k: t.to("cuda:0") for k, t in weights("mixed4", 0.0).items()}
+    scheme.init_on_sender(weights=w, num_workers=1)
+    proc = workers({"options": scheme.transport.options, "idx": 0, "variant": "mixed4", "device": "cuda:1",
+                    "until": 2, "timeout": 120.0})
+    try:
+        scheme.connect()
+        for v in (1, 2):
+            for t in w.values():
+                t.fill_(v)
+            assert scheme.send() == v
+    finally:
+        scheme.shutdown()
+    applied = [line for line in proc.lines() if line["event"] == "applied"]
+    assert [line["version"] for line in applied] == [0, 1, 2], applied
+    assert [(line["lo"], line["hi"]) for line in applied[1:]] == [(1.0, 1.0), (2.0, 2.0)]

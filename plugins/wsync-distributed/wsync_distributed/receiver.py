@@ -5,9 +5,11 @@ half-received one), and ``recv`` gives the core the newest.
 
 Deliveries are adoptable: the core makes the model's tensors views of the buffer instead of
 copying it, and releases it once the model moved on to a newer version. A buffer the core holds
-is never written; the pool grows to at most ``_POOL`` buffers (the one the model views, one the
-core is applying, one delivered but not yet taken, one being filled), which is enough for every
-order of events the core produces; otherwise the thread waits for a release.
+is never written; the pool grows to at most ``_POOL`` = 4 buffers (the one the model views, one
+the core is applying, one delivered but not yet taken, one being filled), enough for every order
+of events the core produces, and usually holds 2. Were all 4 held, the thread would wait for a
+release, and after ``collective_timeout`` receive into a scratch buffer it drops (the collective
+must complete; the sender then sees no ack).
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ class DistributedReceiver(ReceiverEndpoint):
                 group = self.groups[ctl.group] = wire.new_group(self.cfg, store, ctl.group, rank,
                                                                 len(ctl.members) + 1)
             if self.nbytes:
-                works = wire.broadcast(group, buffer, ctl.bucket)
+                works = wire.broadcast(group, buffer, ctl.spans())
                 wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing,
                                 self.device.type == "cuda")
         except (RuntimeError, TransportError) as exc:

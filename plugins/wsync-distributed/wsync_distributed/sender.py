@@ -55,8 +55,11 @@ _GROUPS = 8
 _HEARTBEAT_CHECK_S = 0.25
 #: attempts per delivery (each without the workers found dead)
 _ATTEMPTS = 3
-#: the core reports progress (``ready``) this many times per bucket
+#: the core reports progress (``ready``) at least this many times per bucket
 _READY_PER_BUCKET = 2
+#: the first bucket's size at most: a stream starts sending once this much is copied (later
+#: buckets are ``bucket_mb``; many small collectives cost CPU that a busy host lacks)
+_FIRST_BUCKET = 8 << 20
 
 
 @dataclass
@@ -112,7 +115,8 @@ class DistributedSender(SenderEndpoint):
             self.device = ctx.device
         else:
             self.device = torch.device("cpu")
-        self.stream_bytes = max(1, cfg.bucket_bytes // _READY_PER_BUCKET)
+        self.first_bytes = min(cfg.bucket_bytes, _FIRST_BUCKET)
+        self.stream_bytes = max(1, min(cfg.bucket_bytes // _READY_PER_BUCKET, self.first_bytes))
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.events: deque[Event] = deque()
@@ -171,7 +175,8 @@ class DistributedSender(SenderEndpoint):
 
     def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
         """Bytes ``[0, nbytes)`` of ``buffer`` are final: the broadcaster may send them to ``workers``
-        (the first call starts the stream)."""
+        (the first call starts the stream). A CUDA buffer (NCCL) is final on the device too: the
+        core synchronizes its stream before each call, so the broadcast's stream needs no event."""
         with self.cond:
             slot = self._slot_of(buffer, "ready")
             stream = self.stream
@@ -552,7 +557,8 @@ class DistributedSender(SenderEndpoint):
             for w in targets:
                 self.waiting.pop(w, None)
         for w in targets:
-            ctl = wire.Control(name, key, self.nbytes, self.cfg.bucket_bytes, self._live(w), seq=seq)
+            ctl = wire.Control(name, key, self.nbytes, self.cfg.bucket_bytes, self._live(w), seq=seq,
+                               first=self.first_bytes)
             store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl))
         deadline = Deadline(self.cfg.timeout)
         cuda = self.device.type == "cuda"
@@ -564,9 +570,7 @@ class DistributedSender(SenderEndpoint):
                 log.debug("distributed sender: group %s with workers %s ready in %.3f s", name, targets,
                           time.monotonic() - t0)
             works = []
-            bucket = self.cfg.bucket_bytes
-            for start in range(0, buffer.numel(), bucket):
-                end = min(start + bucket, buffer.numel())
+            for start, end in wire.spans(self.nbytes, self.cfg.bucket_bytes, self.first_bytes):
                 if stream is not None:
                     self._await(stream, end, deadline)
                 works.append(wire.broadcast_part(group, buffer[start:end]))

@@ -3,7 +3,7 @@
 Receivers push events (join, ack, leave) onto one store queue the sender pops; the sender pushes
 control messages onto each receiver's inbox queue, which the receiver handles in order:
 
-- ``data`` (group, members, size, bucket, ``seq``): take part in a bucketed broadcast of the
+- ``data`` (group, members, size, buckets, ``seq``): take part in a bucketed broadcast of the
   buffer contents numbered ``seq``; nothing is delivered yet. With no group it carries a header
   only (a receiver whose model does not fit), delivered at once so the core can reject it;
 - ``commit`` (``seq``, the core's header): the bytes of ``seq`` are a published version: deliver
@@ -38,7 +38,7 @@ from .transport import Config
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
     "inbox_key", "heartbeat_key", "encode_event", "decode_event", "encode_control", "decode_control",
-    "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
+    "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS", "spans",
 ]
 
 EVENTS = "events"
@@ -96,12 +96,29 @@ class Control:
     live: tuple[str, ...] = ()
     kind: str = "data"
     seq: int = 0
+    first: int = 0  # the first bucket's size (0: ``bucket``), so a stream can start sending early
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The [start, end) byte ranges broadcast one by one (both sides cut the buffer alike)."""
+        return spans(self.nbytes, self.bucket, self.first)
+
+
+def spans(nbytes: int, bucket: int, first: int = 0) -> list[tuple[int, int]]:
+    """[start, end) ranges covering ``nbytes``: the first ``first`` bytes (if > 0), then ``bucket`` each."""
+    out = []
+    start = 0
+    if 0 < first < nbytes:
+        out.append((0, first))
+        start = first
+    for a in range(start, nbytes, bucket):
+        out.append((a, min(a + bucket, nbytes)))
+    return out
 
 
 def encode_control(ctl: Control, header: bytes = b"") -> bytes:
     """The wire form of ``ctl`` followed by ``header`` (for ``commit`` and header-only ``data``)."""
     body = json.dumps({"k": ctl.kind, "g": ctl.group, "m": list(ctl.members), "n": ctl.nbytes, "b": ctl.bucket,
-                       "l": list(ctl.live), "s": ctl.seq}, separators=(",", ":")).encode()
+                       "l": list(ctl.live), "s": ctl.seq, "f": ctl.first}, separators=(",", ":")).encode()
     return struct.pack(">I", len(body)) + body + header
 
 
@@ -115,11 +132,12 @@ def decode_control(raw: bytes) -> tuple[Control, bytes]:
     try:
         obj: Any = json.loads(raw[4:4 + n])
         ctl = Control(group=obj["g"], members=tuple(obj["m"]), nbytes=obj["n"], bucket=obj["b"],
-                      live=tuple(obj["l"]), kind=obj["k"], seq=obj["s"])
+                      live=tuple(obj["l"]), kind=obj["k"], seq=obj["s"], first=obj["f"])
     except (ValueError, KeyError, TypeError) as exc:
         raise TransportError(f"malformed control message: {exc}") from None
     ok = (ctl.kind in KINDS and (ctl.group is None or isinstance(ctl.group, str))
           and isinstance(ctl.seq, int) and not isinstance(ctl.seq, bool) and ctl.seq >= 0
+          and isinstance(ctl.first, int) and not isinstance(ctl.first, bool) and ctl.first >= 0
           and all(isinstance(m, int) and m >= 0 for m in ctl.members) and isinstance(ctl.nbytes, int)
           and ctl.nbytes >= 0 and isinstance(ctl.bucket, int) and ctl.bucket > 0
           and all(isinstance(g, str) for g in ctl.live))
@@ -189,9 +207,9 @@ def broadcast_part(group: dist.ProcessGroup, part: torch.Tensor) -> Any:
     return group.broadcast([part], opts)
 
 
-def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, bucket: int) -> list[Any]:
-    """Start broadcasting ``buffer`` from rank 0 in buckets of ``bucket`` bytes; returns the work handles."""
-    return [broadcast_part(group, buffer[start:start + bucket]) for start in range(0, buffer.numel(), bucket)]
+def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, parts: Sequence[tuple[int, int]]) -> list[Any]:
+    """Start broadcasting ``buffer`` from rank 0, one work per [start, end) range of ``parts``."""
+    return [broadcast_part(group, buffer[start:end]) for start, end in parts]
 
 
 def wait_works(works: Sequence[Any], deadline: Deadline, what: str, stop: Callable[[], bool],
