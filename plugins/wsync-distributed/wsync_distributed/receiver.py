@@ -221,10 +221,11 @@ class DistributedReceiver(ReceiverEndpoint):
                     self.filled = None
                 self._deliver(None, header)  # header only: the core reports the mismatch
                 continue
-            self._take_part(store, ctl)
+            self._take_part(store, ctl, header)
 
-    def _take_part(self, store: dist.Store, ctl: wire.Control) -> None:
-        """Receive the broadcast of ``ctl.seq`` into a free buffer; it waits there for its commit."""
+    def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
+        """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if
+        ``header`` came with it, else it waits there for its commit."""
         if self.worker not in ctl.members:
             log.warning("distributed worker %d: group %s does not list this worker", self.worker, ctl.group)
             with self.cond:
@@ -253,7 +254,11 @@ class DistributedReceiver(ReceiverEndpoint):
             if group is not None:
                 _abort(group)
             return
-        if slot is not None:
+        if slot is None:
+            return
+        if header:
+            self._deliver(slot, header)
+        else:
             with self.cond:
                 self.filled = (ctl.seq, slot)
 

@@ -461,24 +461,38 @@ class DistributedSender(SenderEndpoint):
         for inbox in victims.values():
             store.queue_push(wire.inbox_key(inbox), abort)
 
+    def _named(self, seq: int, workers: list[int], stream: _Stream | None,
+               item: _Publish | None) -> dict[int, bytes]:
+        """The header a publish gave each of ``workers`` for the bytes of ``seq``, where one did
+        (never for an abandoned stream). Caller holds ``cond``."""
+        if stream is not None:
+            publishes = [] if stream.abandoned else stream.publishes
+        else:
+            publishes = [item] if item is not None else []
+        named: dict[int, bytes] = {}
+        for w in workers:
+            found = next((p for p in publishes if p.seq == seq and w in p.todo), None)
+            if found is not None:
+                named[w] = found.header
+        return named
+
     def _commit(self, store: dist.Store, seq: int, done: list[int], peers: dict[int, _Peer],
-                stream: _Stream | None, item: _Publish | None) -> None:
-        """``done`` hold the bytes of ``seq`` in full: commit those a publish named, remember the others
-        (never commit an abandoned stream)."""
+                stream: _Stream | None, item: _Publish | None, told: set[int]) -> None:
+        """``done`` hold the bytes of ``seq`` in full, and ``told`` of them their header already:
+        commit those a publish named, remember the others."""
         pushes: list[tuple[str, bytes]] = []
         with self.cond:
-            if stream is not None:
-                publishes = [] if stream.abandoned else stream.publishes
-            else:
-                publishes = [item] if item is not None else []
+            named = self._named(seq, done, stream, item)
+            publishes = (stream.publishes if stream is not None else [item] if item is not None else [])
             for w in done:
-                named = next((p for p in publishes if p.seq == seq and w in p.todo), None)
-                if named is None:
-                    self.waiting[w] = (seq, peers[w].inbox)
-                else:
-                    named.todo.discard(w)
+                if w in named:
+                    for p in publishes:
+                        p.todo.discard(w)
                     self.waiting.pop(w, None)
-                    pushes.append((peers[w].inbox, named.header))
+                    if w not in told:
+                        pushes.append((peers[w].inbox, named[w]))
+                elif w not in told:
+                    self.waiting[w] = (seq, peers[w].inbox)
         for inbox, header in pushes:
             store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="commit", seq=seq), header))
 
@@ -492,8 +506,8 @@ class DistributedSender(SenderEndpoint):
             if not targets or self.closing:
                 break
             try:
-                self._broadcast(store, buffer, seq, targets, peers, stream)
-                self._commit(store, seq, targets, peers, stream, item)
+                told = self._broadcast(store, buffer, seq, targets, peers, stream, item)
+                self._commit(store, seq, targets, peers, stream, item, told)
                 targets = []
                 break
             except TransportError as exc:
@@ -516,8 +530,8 @@ class DistributedSender(SenderEndpoint):
                 revived = [w for w in suspects if w not in dead and w in self.peers]
             if revived:
                 try:
-                    self._broadcast(store, buffer, seq, revived, peers, stream)
-                    self._commit(store, seq, revived, peers, stream, item)
+                    told = self._broadcast(store, buffer, seq, revived, peers, stream, item)
+                    self._commit(store, seq, revived, peers, stream, item, told)
                 except TransportError as exc:
                     _drop(self.groups.pop(tuple(revived), (None, None))[1])
                     with self.cond:
@@ -542,9 +556,15 @@ class DistributedSender(SenderEndpoint):
                 self.cond.wait(deadline.slice(1.0))
 
     def _broadcast(self, store: dist.Store, buffer: torch.Tensor, seq: int, targets: list[int],
-                   peers: dict[int, _Peer], stream: _Stream | None) -> None:
+                   peers: dict[int, _Peer], stream: _Stream | None, item: _Publish | None) -> set[int]:
         """Tell ``targets`` to expect ``seq``, then broadcast ``buffer`` in buckets, each as soon as
-        the stream (if any) has it; returns once every bucket has left. Raises TransportError."""
+        the stream (if any) has it; returns once every bucket has left, with the workers that were
+        sent their header on the way. Raises TransportError.
+
+        A header known when the broadcast starts (a complete buffer, or a small stream already
+        published) rides in the ``data`` message; one published while buckets still go out is
+        committed right then (the receiver reads it after its broadcast); a failed broadcast
+        leaves these unused, since the receiver delivers only bytes it received in full."""
         key = tuple(targets)
         if key not in self.groups:
             while len(self.groups) >= _GROUPS:
@@ -554,12 +574,13 @@ class DistributedSender(SenderEndpoint):
         self.groups.move_to_end(key)
         name, group = self.groups[key]
         with self.cond:
+            told = self._named(seq, targets, stream, item)
             for w in targets:
                 self.waiting.pop(w, None)
         for w in targets:
             ctl = wire.Control(name, key, self.nbytes, self.cfg.bucket_bytes, self._live(w), seq=seq,
                                first=self.first_bytes)
-            store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl))
+            store.queue_push(wire.inbox_key(peers[w].inbox), wire.encode_control(ctl, told.get(w, b"")))
         deadline = Deadline(self.cfg.timeout)
         cuda = self.device.type == "cuda"
         try:
@@ -574,9 +595,17 @@ class DistributedSender(SenderEndpoint):
                 if stream is not None:
                     self._await(stream, end, deadline)
                 works.append(wire.broadcast_part(group, buffer[start:end]))
+            if len(told) < len(targets):
+                with self.cond:
+                    late = self._named(seq, [w for w in targets if w not in told], stream, item)
+                for w, header in late.items():
+                    store.queue_push(wire.inbox_key(peers[w].inbox),
+                                     wire.encode_control(wire.Control(kind="commit", seq=seq), header))
+                told.update(late)
             wire.wait_works(works, deadline, f"broadcast to workers {targets}", lambda: self.closing, cuda)
         except RuntimeError as exc:
             raise TransportError(f"group {name} with workers {targets}: {exc}") from exc
+        return set(told)
 
 
 def _drop(group: dist.ProcessGroup | None) -> None:

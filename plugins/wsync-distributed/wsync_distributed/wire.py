@@ -4,11 +4,14 @@ Receivers push events (join, ack, leave) onto one store queue the sender pops; t
 control messages onto each receiver's inbox queue, which the receiver handles in order:
 
 - ``data`` (group, members, size, buckets, ``seq``): take part in a bucketed broadcast of the
-  buffer contents numbered ``seq``; nothing is delivered yet. With no group it carries a header
-  only (a receiver whose model does not fit), delivered at once so the core can reject it;
+  buffer contents numbered ``seq``. If the core's header comes with it (the buffer was published
+  before the broadcast began), deliver the bytes once all arrived; else wait for the commit.
+  With no group it carries a header only (a receiver whose model does not fit), delivered at
+  once so the core can reject it;
 - ``commit`` (``seq``, the core's header): the bytes of ``seq`` are a published version: deliver
   them, if this receiver got all of them. Sent only after the sender's core published that
-  buffer, so a snapshot the core abandoned half-written is never delivered;
+  buffer (as is a header inside ``data``), so a snapshot the core abandoned half-written is
+  never delivered;
 - ``abort`` (``seq``): drop the bytes of ``seq`` (the sender's core abandoned that snapshot);
 - ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down).
 
