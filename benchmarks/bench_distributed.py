@@ -13,7 +13,7 @@ the broadcast already runs during it) and the rest until the ack. Also the CPU t
 costs both processes together (all threads; on a machine with few cores, extra CPU work is
 extra wall-clock time), and a one-thread memcpy of the same bytes (what the snapshot copies).
 
-    .venv/bin/python benchmarks/bench_distributed.py [--mib 256] [--repeats 7] [--bucket-mb B] [-o KEY=VALUE ...]
+    .venv/bin/python benchmarks/bench_distributed.py [--mib 256] [--repeats 7] [--bucket-mb B] [-o stream=false ...]
         [--json out.json]
 """
 

@@ -115,8 +115,10 @@ class DistributedSender(SenderEndpoint):
             self.device = ctx.device
         else:
             self.device = torch.device("cpu")
-        self.first_bytes = min(cfg.bucket_bytes, _FIRST_BUCKET)
-        self.stream_bytes = max(1, min(cfg.bucket_bytes // _READY_PER_BUCKET, self.first_bytes))
+        self.first_bytes = 0  # the first bucket's size; 0: like the others
+        if cfg.stream:
+            self.first_bytes = min(cfg.bucket_bytes, _FIRST_BUCKET)
+            self.stream_bytes = max(1, min(cfg.bucket_bytes // _READY_PER_BUCKET, self.first_bytes))
         self.cond = threading.Condition()
         self.peers: dict[int, _Peer] = {}
         self.events: deque[Event] = deque()

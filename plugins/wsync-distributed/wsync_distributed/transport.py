@@ -36,6 +36,7 @@ class Config:
     bind: str
     prefix: str
     devices: int
+    stream: bool = True
 
 
 def _env_int(name: str) -> int | None:
@@ -70,7 +71,9 @@ class DistributedTransport(Transport):
     ``timeout`` bounds the calls), ``heartbeat_timeout`` (seconds
     of silence after which a worker counts as dead), ``bind`` (this process's address for data
     connections; default: the interface that routes to ``host``), ``devices`` (Gloo connections
-    per peer), ``checksum``.
+    per peer), ``stream`` (broadcast a snapshot while the core still copies it; off, the copy
+    finishes first: better only where the copy and the network compete for too few cores),
+    ``checksum`` (implies no streaming: the core checksums the whole payload first).
     """
 
     name = "distributed"
@@ -91,6 +94,7 @@ class DistributedTransport(Transport):
         bind: str | None = None,
         prefix: str = "wsync",
         devices: int = 2,
+        stream: bool = True,
         checksum: bool = False,
     ) -> None:
         if backend not in _BACKENDS:
@@ -112,7 +116,7 @@ class DistributedTransport(Transport):
         super().__init__(backend=backend, host=str(host), port=int(port), world_size=world_size, rank=rank,
                          bucket_mb=float(bucket_mb), collective_timeout=float(collective_timeout),
                          heartbeat_timeout=float(heartbeat_timeout), bind=bind, prefix=str(prefix),
-                         devices=devices, checksum=bool(checksum))
+                         devices=devices, stream=bool(stream), checksum=bool(checksum))
 
     def config(self) -> Config:
         """The options resolved for this process (``rank`` from ``RANK`` under a launcher)."""
@@ -122,7 +126,7 @@ class DistributedTransport(Transport):
             backend=o["backend"], host=o["host"], port=o["port"], world_size=o["world_size"], rank=rank,
             bucket_bytes=max(1, int(o["bucket_mb"] * (1 << 20))), timeout=o["collective_timeout"],
             heartbeat_timeout=o["heartbeat_timeout"], bind=o["bind"] or _local_address(o["host"], o["port"]),
-            prefix=o["prefix"], devices=o["devices"],
+            prefix=o["prefix"], devices=o["devices"], stream=o.get("stream", True),
         )
 
     def sender(self, ctx: SenderContext):
