@@ -35,6 +35,20 @@ def weights(variant: str, value: float = 0.0) -> dict[str, torch.Tensor]:
             "c": torch.zeros((), dtype=torch.int64) + int(value)}
 
 
+def send_versions(scheme: WeightSyncScheme, w: dict[str, torch.Tensor], proc, versions: list[int]) -> list[dict]:
+    """For the tests' sender side: connect, send each version (every tensor filled with it), shut
+    down; returns the worker process's "applied" lines."""
+    try:
+        scheme.connect()
+        for v in versions:
+            for t in w.values():
+                t.fill_(v)
+            assert scheme.send() == v
+    finally:
+        scheme.shutdown()
+    return [line for line in proc.lines() if line["event"] == "applied"]
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     scheme = WeightSyncScheme("distributed", timeout=cfg.get("timeout", 60.0), **cfg["options"])

@@ -12,7 +12,7 @@ import torch
 from wsync_core import SchemaMismatchError, WeightSyncScheme, WorkerTimeoutError
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_worker import weights  # noqa: E402
+from dist_worker import send_versions, weights  # noqa: E402
 
 
 def _sender(n: int, **options):
@@ -72,14 +72,6 @@ def test_nccl_path(workers):
     scheme.init_on_sender(weights=w, num_workers=1)
     proc = workers({"options": scheme.transport.options, "idx": 0, "variant": "mixed4", "device": "cuda:1",
                     "until": 2, "timeout": 120.0})
-    try:
-        scheme.connect()
-        for v in (1, 2):
-            for t in w.values():
-                t.fill_(v)
-            assert scheme.send() == v
-    finally:
-        scheme.shutdown()
-    applied = [line for line in proc.lines() if line["event"] == "applied"]
+    applied = send_versions(scheme, w, proc, [1, 2])
     assert [line["version"] for line in applied] == [0, 1, 2], applied
     assert [(line["lo"], line["hi"]) for line in applied[1:]] == [(1.0, 1.0), (2.0, 2.0)]

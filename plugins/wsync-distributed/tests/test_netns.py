@@ -10,7 +10,7 @@ from wsync_conformance import netns
 from wsync_core import WeightSyncScheme
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_worker import weights  # noqa: E402
+from dist_worker import send_versions, weights  # noqa: E402
 
 
 @pytest.fixture
@@ -28,14 +28,6 @@ def test_receiver_in_another_namespace(hosts, workers):
     w = weights("base", 0.0)
     scheme.init_on_sender(weights=w, num_workers=1)
     proc = workers({"options": scheme.transport.options, "idx": 0, "until": 2}, prefix=there.prefix)
-    try:
-        scheme.connect()
-        for v in (1, 2):
-            for t in w.values():
-                t.fill_(v)
-            assert scheme.send() == v
-    finally:
-        scheme.shutdown()
-    applied = [line for line in proc.lines() if line["event"] == "applied"]
+    applied = send_versions(scheme, w, proc, [1, 2])
     assert [line["version"] for line in applied] == [0, 1, 2]
     assert applied[-1]["sum"] == 2.0 * 32
