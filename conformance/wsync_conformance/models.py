@@ -252,8 +252,8 @@ def rich_spec(kind: str = "module", large_mib: int = 4) -> ModelSpec:
     return ModelSpec(kind, tuple(ts))
 
 
-def version_spec(kind: str = "module") -> ModelSpec:
-    """Eight equal tensors (float32, float64, int64): filled with the version number, a torn
-    model shows up as tensors holding different numbers."""
-    ts = [TensorSpec(f"block{i}.weight", (64, 64), ("float32", "float64", "int64")[i % 3]) for i in range(8)]
+def version_spec(kind: str = "module", side: int = 64) -> ModelSpec:
+    """Eight equal ``side`` x ``side`` tensors (float32, float64, int64): filled with the version
+    number, a torn model shows up as tensors holding different numbers."""
+    ts = [TensorSpec(f"block{i}.weight", (side, side), ("float32", "float64", "int64")[i % 3]) for i in range(8)]
     return ModelSpec(kind, tuple(ts))
