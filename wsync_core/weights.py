@@ -43,14 +43,14 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
             items = weights.state_dict(keep_vars=True).items()
         else:
             items = _module_tensors(weights)
-        return {k: _d(v, detach) for k, v in items if v is not None}
+        return {k: _maybe_detach(v, detach) for k, v in items if v is not None}
     if isinstance(weights, TensorDictBase):
         out = {}
         for key, value in weights.items(include_nested=True, leaves_only=True):
             name = key if isinstance(key, str) else ".".join(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
-            out[name] = _d(value, detach)
+            out[name] = _maybe_detach(value, detach)
         return out
     if isinstance(weights, Mapping):
         out = {}
@@ -63,7 +63,7 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor")
-            out[key] = _d(value, detach)
+            out[key] = _maybe_detach(value, detach)
         return out
     raise TypeError(
         f"weights must be an nn.Module, a TensorDict or a state_dict (mapping of str to tensor), "
@@ -71,7 +71,7 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
     )
 
 
-def _d(t: torch.Tensor, detach: bool) -> torch.Tensor:
+def _maybe_detach(t: torch.Tensor, detach: bool) -> torch.Tensor:
     return t.detach() if detach else t
 
 
