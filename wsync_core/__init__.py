@@ -14,6 +14,7 @@ from .errors import (
     StateError,
     TransportError,
     UnknownTransportError,
+    WorkerDiedError,
     WorkerTimeoutError,
     WsyncError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "StateError",
     "SchemaMismatchError",
     "WorkerTimeoutError",
+    "WorkerDiedError",
     "TransportError",
     "UnknownTransportError",
     # writing a transport
