@@ -143,7 +143,8 @@ class WsyncScheme(TorchRLScheme):
         if not self.synchronized_on_sender:
             raise RuntimeError("Must be synchronized on sender before sending weights")
         ids = _worker_ids(worker_ids)
-        if isinstance(weights, Mapping) and weights and all(isinstance(k, int) for k in weights):
+        if (isinstance(weights, Mapping) and not isinstance(weights, TensorDictBase) and len(weights) > 0
+                and all(isinstance(k, int) for k in weights)):
             handles = [self._wsync.send_async(_as_weights(self._resolve(w)), worker_ids=[i])
                        for i, w in sorted(weights.items()) if ids is None or i in ids]
             if self.sync:

@@ -33,7 +33,12 @@ FILES = ("test/test_collectors.py", "test/conftest.py")
 #: what a test's code must name to count as exercising weight sync
 MARKERS = ("WeightSyncScheme", "weight_sync_scheme", "update_policy_weights_")
 #: tests that cannot pass with wsync by design: node id -> why (the README lists the same)
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "TestCollectorGeneric::test_update_weights":
+        "asserts that, on CPU, a worker's policy changes when the trainer edits its weights in place "
+        "without update_policy_weights_() (TorchRL's workers alias the trainer's memory); wsync "
+        "workers hold private copies (isolation), so they keep the version sent",
+}
 
 
 def torchrl_version() -> str:
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(selected))
         return 0
-    cmd = [sys.executable, "-m", "pytest", "-p", "wsync_swap_plugin", "-p", "no:cacheprovider", "-q",
+    cmd = [sys.executable, "-m", "pytest", "-p", "wsync_swap_plugin", "-p", "no:cacheprovider",
            "--rootdir", str(dest), *deselect, *pytest_args, *selected]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", "")]))
     return subprocess.call(cmd, cwd=dest, env=env)
