@@ -173,3 +173,11 @@ def test_no_noise_at_exit_when_the_scheme_is_never_shut_down(tmp_path):
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
+
+
+def test_the_example_trains_with_every_batch_on_the_version_sent():
+    example = HERE.parents[2] / "examples" / "torchrl_collector.py"
+    out = subprocess.run([sys.executable, "-W", "ignore", str(example), "--iters", "3"], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "collected with version 2, sent version 3" in out.stdout
