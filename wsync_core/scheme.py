@@ -51,7 +51,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
 )
-from .weights import Weights, check_strategy, flatten
+from .weights import Weights, check_strategy, flatten, restore_extra_state
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
 
@@ -714,6 +714,7 @@ class WeightSyncScheme:
             adopted = layout.adopt(payload, targets)
         else:
             layout.unpack(payload, targets)
+        restore_extra_state(self._source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         return adopted
