@@ -181,3 +181,23 @@ def test_the_example_trains_with_every_batch_on_the_version_sent():
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert "collected with version 2, sent version 3" in out.stdout
+
+
+@pytest.mark.parametrize("transport", ["shm", "inproc"])
+def test_collector_takes_the_scheme_as_weight_sync_schemes(transport):
+    """A single-process Collector given the scheme directly: on one device it runs the trainer's
+    own policy object, so an update only counts a version; its rollouts follow the trainer."""
+    policy = make_policy()
+    scheme = WsyncScheme(transport, timeout=30)
+    collector = Collector(make_env(), policy, frames_per_batch=4, total_frames=-1,
+                          weight_sync_schemes={"policy": scheme})
+    try:
+        for i, data in enumerate(collector):
+            assert (data["weights_bits"] == flat_bits(policy.module)).all()
+            if i == 5:
+                break
+            bump(policy)
+            collector.update_policy_weights_()
+    finally:
+        collector.shutdown()
+        scheme.shutdown()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
+from torchrl.collectors import Collector
 from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as TorchRLScheme
 
@@ -63,7 +64,7 @@ class WsyncScheme(TorchRLScheme):
     # -- pickling: only the configuration travels; each side starts fresh -----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_safepoint", "_stop", "_receiver_thread", "_receiver_error", "_watch_procs"):
+        for key in ("_safepoint", "_stop", "_receiver_thread", "_receiver_error", "_watch_procs", "_local"):
             state.pop(key, None)
         state["_wsync"] = _fresh_copy(self._wsync)
         state["_model_ref"] = None
@@ -101,6 +102,10 @@ class WsyncScheme(TorchRLScheme):
             per_worker = dict(params_map)
             source: Any = per_worker[min(per_worker)]
             num_workers = len(per_worker)
+        elif context is not None and isinstance(context, Collector) and num_workers is None:
+            self.context = context
+            self._init_in_process(context, model_id)
+            return
         elif context is not None:
             self.context = context
             source, per_worker = _sender_model(context, model_id)
@@ -122,8 +127,40 @@ class WsyncScheme(TorchRLScheme):
                                    weights=None if isinstance(source, nn.Module) else _as_weights(source),
                                    num_workers=num_workers, model_id=model_id)
 
+    def _init_in_process(self, collector: Any, model_id: str) -> None:
+        """A single-process ``Collector``: its worker is itself. The policy it runs receives the
+        trainer's versions like a worker process would (same transport, same safe point); when
+        it runs the trainer's very object (no device copy), there is nothing to move and
+        ``send()`` only counts versions."""
+        trainer = collector._orig_policy if model_id == "policy" else None
+        local = collector.get_model(model_id)
+        if not isinstance(trainer, nn.Module):
+            trainer = local
+        if not isinstance(local, nn.Module):
+            raise TypeError(f"WsyncScheme syncs an nn.Module; {model_id!r} is {type(local).__name__}")
+        self.model = trainer
+        self._per_worker_init = {}
+        if local is trainer:
+            self._local = None  # the collector runs the trainer's policy object itself
+            return
+        self._wsync.init_on_sender(model=trainer, num_workers=1, model_id=model_id)
+        receiver = WsyncScheme.__new__(WsyncScheme)
+        receiver.__setstate__(self.__getstate__())
+        receiver.init_on_receiver(model_id=model_id, model=local, worker_idx=0)
+        self._local = receiver
+
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                       weights: Any = None) -> None:
+        if hasattr(self, "_local"):
+            if self._local is not None:
+                joined = threading.Thread(target=self._local.connect, kwargs={"worker_idx": 0},
+                                          name="wsync-torchrl-local-connect", daemon=True)
+                joined.start()
+                try:
+                    self._wsync.connect()
+                finally:
+                    joined.join()
+            return
         watch = _process_watch(self._watch_procs) if self._watch_procs is not None else None
         self._wsync.connect(watch=watch)
         for w, worker_weights in sorted(self._per_worker_init.items()):  # distinct policy factories
@@ -142,6 +179,8 @@ class WsyncScheme(TorchRLScheme):
             raise RuntimeError("Must be initialized on sender before sending weights")
         if not self.synchronized_on_sender:
             raise RuntimeError("Must be synchronized on sender before sending weights")
+        if getattr(self, "_local", True) is None:
+            return  # a single-process Collector running the trainer's own policy object
         ids = _worker_ids(worker_ids)
         if (isinstance(weights, Mapping) and not isinstance(weights, TensorDictBase) and len(weights) > 0
                 and all(isinstance(k, int) for k in weights)):
@@ -211,6 +250,9 @@ class WsyncScheme(TorchRLScheme):
         if version > 0 and context is not None:
             if hasattr(context, "increment_version"):
                 context.increment_version()
+            elif hasattr(context, "update_policy_weights_"):  # a collector of collectors: pass it on
+                context.update_policy_weights_(model_id=self.model_id, policy_or_weights=TensorDict.from_module(
+                    self.model))
 
     @TorchRLScheme.model.setter  # type: ignore[attr-defined]
     def model(self, model: Any) -> None:
@@ -230,6 +272,9 @@ class WsyncScheme(TorchRLScheme):
             raise RuntimeError("Must be initialized on receiver before receiving weights")
         if not self.synchronized_on_receiver:
             raise RuntimeError("Must be synchronized on receiver before receiving weights")
+        error, self._receiver_error = self._receiver_error, None
+        if error is not None:  # what the worker's receiving thread met (the sender was told too)
+            raise error
         version = self._wsync.receive(timeout=0.0 if timeout is None else timeout)
         if version is None:
             return None
@@ -256,6 +301,9 @@ class WsyncScheme(TorchRLScheme):
         safepoint = getattr(self, "_safepoint", None)
         if safepoint is not None:
             safepoint.remove()
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.shutdown()
         core = getattr(self, "_wsync", None)
         if core is not None:
             core.shutdown()
