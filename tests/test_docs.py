@@ -82,3 +82,13 @@ def test_readme_capabilities_are_what_the_transport_declares(name: str, listed: 
     except UnknownTransportError as exc:
         pytest.skip(f"transport {name!r} is not installed here: {exc}")
     assert listed == set(cls.capabilities.declared()), f"README's row for {name!r}"
+
+
+def test_the_transport_interface_is_importable_from_wsync_core() -> None:
+    import wsync_core
+
+    names = {"Transport", "Capabilities", "SenderContext", "ReceiverContext", "SenderEndpoint", "ReceiverEndpoint",
+             "Delivery", "Event", "Joined", "Acked", "Left", "Deadline", "Layout", "free_port", "zero_copy_for",
+             "hookimpl", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "TransportError", "WorkerTimeoutError"}
+    assert names <= set(wsync_core.__all__), sorted(names - set(wsync_core.__all__))
+    assert all(hasattr(wsync_core, name) for name in wsync_core.__all__)

@@ -2,7 +2,8 @@
 
 Users: ``WeightSyncScheme`` (docs/api.md; the ten guarantees: docs/guarantees.md). Transports are
 plugins found through the ``wsync`` entry-point group; ``list_transports()`` shows what is
-installed. Transport authors: everything docs/writing-a-transport.md names is importable from here.
+installed. Transport authors: every name of the interface (docs/writing-a-transport.md) is
+importable from here.
 """
 
 from __future__ import annotations
