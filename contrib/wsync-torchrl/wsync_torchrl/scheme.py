@@ -216,7 +216,6 @@ class WsyncScheme(TorchRLScheme):
             raise ValueError("worker_idx must be provided via context or kwargs")
         if not isinstance(model, nn.Module):
             raise TypeError(f"WsyncScheme receives into an nn.Module, got {type(model).__name__}")
-        _materialize(model)
         self.model_id = model_id
         self.worker_idx = worker_idx
         self._model_ref = None
@@ -366,13 +365,6 @@ def _as_weights(weights: Any) -> Any:
         rest.set("_extra_state", extra)
         return rest
     return weights
-
-
-def _materialize(model: nn.Module) -> None:
-    """Give a meta-device policy (TorchRL sends its workers stateless ones) real CPU storage;
-    the first version then fills it."""
-    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        model.to_empty(device=torch.device("cpu"))
 
 
 def _process_watch(context: Any):
