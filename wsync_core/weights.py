@@ -115,6 +115,8 @@ def _extra_state_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tens
     wsync never pickles."""
     state = module.get_extra_state()
     base = prefix + EXTRA_STATE
+    if state is None:
+        return {}
     if isinstance(state, torch.Tensor):
         return {base: state.detach()}
     if isinstance(state, TensorDictBase):
