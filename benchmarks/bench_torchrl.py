@@ -6,8 +6,10 @@ For each policy size, one collector per scheme (wsync ``shm`` and ``mp`` through
 ``wsync_torchrl.WsyncScheme``; TorchRL's ``MultiProcessWeightSyncScheme`` and
 ``SharedMemWeightSyncScheme``), 2 worker processes, a first batch collected, then
 ``update_policy_weights_()`` timed ``repeat`` times (the trainer's in-place step before each is
-not timed), p50 and p99, against one memcpy of the weights (the floor), timed just before each
-update so both see the same machine load; ``x_memcpy`` is the ratio of the two medians. TorchRL's schemes
+not timed), p50 and p99, against one memcpy of the weights (the floor: a single-thread copy
+between two touched tensors, as in ``wsync bench``; a copy with torch's default threads is shown
+too), each timed just before each update so both see the same machine load; ``x_memcpy`` is the
+ratio of the medians. TorchRL's schemes
 alias the trainer's memory in their workers (no isolation): a speed reference, not peers.
 """
 
@@ -85,15 +87,21 @@ def _percentiles(values: list[float]) -> tuple[float, float]:
 
 
 def _memcpy(nbytes: int, repeat: int) -> list[float]:
+    """Single-thread copies of ``nbytes`` between two touched tensors (the floor)."""
     src = torch.ones(max(nbytes // 4, 1))
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         dst.copy_(src)
-        out.append(time.perf_counter() - t0)
-    return out
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _bump(policy: nn.Module) -> None:
@@ -103,8 +111,9 @@ def _bump(policy: nn.Module) -> None:
 
 
 def _time_updates(name: str, make: Callable[[], Any], nbytes: int, workers: int,
-                  repeat: int) -> tuple[list[float], list[float]]:
-    """Update times, and memcpy times of the same bytes taken just before each (same conditions)."""
+                  repeat: int) -> tuple[list[float], list[float], list[float]]:
+    """Update times, and memcpy times of the same bytes taken just before each (same load): one
+    thread (the project's floor, as in ``wsync bench``) and torch's default threads."""
     policy = TensorDictModule(_Policy(nbytes), in_keys=["observation"], out_keys=["action"])
     collector = MultiSyncCollector([_Env] * workers, policy, frames_per_batch=2 * workers, total_frames=-1,
                                    weight_sync_schemes={"policy": make()})
@@ -113,22 +122,28 @@ def _time_updates(name: str, make: Callable[[], Any], nbytes: int, workers: int,
     try:
         it = iter(collector)
         next(it)
-        out, floor = [], []
+        out, floor, floor_mt = [], [], []
+        threads = torch.get_num_threads()
         for i in range(repeat + 3):
             _bump(policy)
+            torch.set_num_threads(1)
             t0 = time.perf_counter()
             dst.copy_(src)
             t1 = time.perf_counter()
-            collector.update_policy_weights_()
+            torch.set_num_threads(threads)
+            dst.copy_(src)
             t2 = time.perf_counter()
+            collector.update_policy_weights_()
+            t3 = time.perf_counter()
             if i >= 3:  # warm-up
                 floor.append(t1 - t0)
-                out.append(t2 - t1)
+                floor_mt.append(t2 - t1)
+                out.append(t3 - t2)
         expect = policy.module.body.stats[:1].item()
         data = next(it)
         if name.startswith("wsync") and not torch.all(data["action"] == expect):
             raise AssertionError(f"{name}: workers did not run the last version")
-        return out, floor
+        return out, floor, floor_mt
     finally:
         collector.shutdown()
 
@@ -143,14 +158,15 @@ def run(sizes: list[int], workers: int, repeats: list[int]) -> list[dict[str, An
                      "x_memcpy": 1.0})
         for name, make in _schemes().items():
             try:
-                times, floor_here = _time_updates(name, make, nbytes, workers, repeat)
+                times, floor_here, floor_mt = _time_updates(name, make, nbytes, workers, repeat)
             except Exception as exc:  # noqa: BLE001 - a failing system is reported in its row, the rest still run
                 rows.append({"size": format_size(nbytes), "system": name, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             p50, p99 = _percentiles(times)
-            m50 = statistics.median(floor_here)
+            m50, mt50 = statistics.median(floor_here), statistics.median(floor_mt)
             rows.append({"size": format_size(nbytes), "system": name, "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
-                         "memcpy_p50_ms": m50 * 1e3, "x_memcpy": p50 / m50, "n": len(times)})
+                         "memcpy_p50_ms": m50 * 1e3, "x_memcpy": p50 / m50,
+                         "memcpy_threads_p50_ms": mt50 * 1e3, "x_memcpy_threads": p50 / mt50, "n": len(times)})
             print(_format(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -158,7 +174,9 @@ def run(sizes: list[int], workers: int, repeats: list[int]) -> list[dict[str, An
 def _format(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"{row['size']:>8}  {row['system']:<22} ERROR {row['error']}"
-    floor = f" (memcpy {row['memcpy_p50_ms']:.3f} ms)" if "memcpy_p50_ms" in row else ""
+    floor = (f" (memcpy 1 thread {row['memcpy_p50_ms']:.3f} ms; {row['x_memcpy_threads']:.2f}x a "
+             f"{torch.get_num_threads()}-thread one, {row['memcpy_threads_p50_ms']:.3f} ms)"
+             if "memcpy_p50_ms" in row else "")
     return (f"{row['size']:>8}  {row['system']:<22} p50 {row['p50_ms']:9.3f} ms  p99 {row['p99_ms']:9.3f} ms  "
             f"{row['x_memcpy']:7.2f}x memcpy{floor}")
 

@@ -253,6 +253,18 @@ class WsyncScheme(TorchRLScheme):
                 context.update_policy_weights_(model_id=self.model_id, policy_or_weights=TensorDict.from_module(
                     self.model))
 
+    @TorchRLScheme.context.setter  # type: ignore[attr-defined]
+    def context(self, context: Any) -> None:
+        """The collector this scheme serves. In a worker, TorchRL's collector keeps a TensorDict
+        of aliases of its policy's weights (``policy_weights``, read only by its legacy weight
+        updaters); the adapter empties it, as TorchRL does for policies its schemes fill, so that
+        no one else holds the policy's memory and each version is mapped in, not copied."""
+        TorchRLScheme.context.fset(self, context)  # type: ignore[attr-defined]
+        if context is not None and self.initialized_on_receiver:
+            held = getattr(context, "policy_weights", None)
+            if isinstance(held, TensorDictBase) and not held.is_empty():
+                context.policy_weights = TensorDict()
+
     @TorchRLScheme.model.setter  # type: ignore[attr-defined]
     def model(self, model: Any) -> None:
         """TorchRL re-points the receiver at the policy its worker actually runs (e.g. a copy
