@@ -201,3 +201,47 @@ def test_collector_takes_the_scheme_as_weight_sync_schemes(transport):
     finally:
         collector.shutdown()
         scheme.shutdown()
+
+
+class WithStats(nn.Module):
+    """A policy with extra state (a running mean and a step counter, as normalizers keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.mean = torch.zeros(3)
+        self.count = 0
+
+    def get_extra_state(self):
+        return {"mean": self.mean, "count": self.count}
+
+    def set_extra_state(self, state):
+        self.mean, self.count = state["mean"], state["count"]
+
+    def forward(self, observation: torch.Tensor):
+        n = observation.shape[:-1]
+        return self.lin(observation - self.mean), self.mean.expand(*n, 3).clone(), torch.full((*n, 1), self.count)
+
+
+@pytest.mark.parametrize("extracted", [False, True])
+def test_extra_state_reaches_the_workers_beside_the_weights(extracted):
+    from torchrl.weight_update.weight_sync_schemes import WeightStrategy
+
+    policy = TensorDictModule(WithStats(), in_keys=["observation"], out_keys=["action", "mean", "count"])
+    collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=8, total_frames=-1,
+                                   weight_sync_schemes={"policy": WsyncScheme("shm", timeout=60)})
+    try:
+        it = iter(collector)
+        next(it)
+        stats = policy.module
+        for i in range(1, 4):
+            stats.mean = torch.full((3,), float(i))
+            stats.count = 10 * i
+            if extracted:  # the weights as TorchRL's strategy extracts them ("__extra_state__")
+                collector.update_policy_weights_(WeightStrategy("tensordict").extract_weights(policy))
+            else:
+                collector.update_policy_weights_()
+            data = next(it)
+            assert (data["mean"] == float(i)).all() and (data["count"] == 10 * i).all()
+    finally:
+        collector.shutdown()

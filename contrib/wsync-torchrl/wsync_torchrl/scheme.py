@@ -26,6 +26,7 @@ from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as TorchRLScheme
 
 from wsync_core import Transport, WeightSyncScheme, WsyncError
+from wsync_core.weights import EXTRA_STATE, flatten
 
 from .safepoint import SafePoint
 
@@ -122,6 +123,7 @@ class WsyncScheme(TorchRLScheme):
                 raise ValueError("init_on_sender(model=/weights=) needs num_workers= (or devices=)")
         if isinstance(source, nn.Module):
             self.model = source
+            self._extra_keys = [k for k in flatten(source, self.strategy_str) if EXTRA_STATE in k]
         self._per_worker_init = per_worker
         self._wsync.init_on_sender(model=source if isinstance(source, nn.Module) else None,
                                    weights=None if isinstance(source, nn.Module) else _as_weights(source),
@@ -201,6 +203,16 @@ class WsyncScheme(TorchRLScheme):
             if self.context is None:
                 raise ValueError(f"Cannot resolve string reference {weights!r} without context")
             return _resolve_model(self.context, weights)
+        extra = getattr(self, "_extra_keys", None)
+        if extra and weights is not None and not isinstance(weights, nn.Module):
+            # TorchRL's weights carry at most the top module's extra state: the rest is the
+            # trainer model's current one, sent beside them
+            flat = flatten(_as_weights(weights), self.strategy_str)
+            missing = [k for k in extra if k not in flat]
+            if missing:
+                model = flatten(self.model, self.strategy_str)
+                flat.update({k: model[k] for k in missing})
+                return flat
         return weights
 
     # -- receiver -------------------------------------------------------------------------------
