@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
@@ -186,7 +187,7 @@ def test_the_example_trains_with_every_batch_on_the_version_sent():
 @pytest.mark.parametrize("transport", ["shm", "inproc"])
 def test_collector_takes_the_scheme_as_weight_sync_schemes(transport):
     """A single-process Collector given the scheme directly: on one device it runs the trainer's
-    own policy object, so an update only counts a version; its rollouts follow the trainer."""
+    own policy object, so there is nothing to move, but weights given are copied in exactly."""
     policy = make_policy()
     scheme = WsyncScheme(transport, timeout=30)
     collector = Collector(make_env(), policy, frames_per_batch=4, total_frames=-1,
@@ -196,8 +197,13 @@ def test_collector_takes_the_scheme_as_weight_sync_schemes(transport):
             assert (data["weights_bits"] == flat_bits(policy.module)).all()
             if i == 5:
                 break
-            bump(policy)
-            collector.update_policy_weights_()
+            if i % 2:
+                bump(policy)
+                collector.update_policy_weights_()
+            else:
+                other = make_policy(seed=100 + i)
+                collector.update_policy_weights_(TensorDict.from_module(other))
+                assert (flat_bits(policy.module) == flat_bits(other.module)).all()
     finally:
         collector.shutdown()
         scheme.shutdown()

@@ -65,7 +65,8 @@ class WsyncScheme(TorchRLScheme):
     # -- pickling: only the configuration travels; each side starts fresh -----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_safepoint", "_stop", "_receiver_thread", "_receiver_error", "_watch_procs", "_local"):
+        for key in ("_safepoint", "_stop", "_receiver_thread", "_receiver_error", "_watch_procs", "_local",
+                    "_per_worker_init", "_extra_keys"):  # the sender's own: weights never ride the pickle
             state.pop(key, None)
         state["_wsync"] = _fresh_copy(self._wsync)
         state["_model_ref"] = None
@@ -133,7 +134,7 @@ class WsyncScheme(TorchRLScheme):
         """A single-process ``Collector``: its worker is itself. The policy it runs receives the
         trainer's versions like a worker process would (same transport, same safe point); when
         it runs the trainer's very object (no device copy), there is nothing to move and
-        ``send()`` only counts versions."""
+        ``send()`` does nothing."""
         trainer = collector._orig_policy if model_id == "policy" else None
         local = collector.get_model(model_id)
         if not isinstance(trainer, nn.Module):
@@ -181,8 +182,10 @@ class WsyncScheme(TorchRLScheme):
             raise RuntimeError("Must be initialized on sender before sending weights")
         if not self.synchronized_on_sender:
             raise RuntimeError("Must be synchronized on sender before sending weights")
-        if getattr(self, "_local", True) is None:
-            return  # a single-process Collector running the trainer's own policy object
+        if getattr(self, "_local", True) is None:  # a single-process Collector running the trainer's object
+            if weights is not None:
+                _copy_into(self.model, self._resolve(weights))
+            return
         ids = _worker_ids(worker_ids)
         if (isinstance(weights, Mapping) and not isinstance(weights, TensorDictBase) and len(weights) > 0
                 and all(isinstance(k, int) for k in weights)):
@@ -331,6 +334,22 @@ class WsyncScheme(TorchRLScheme):
         if core is not None:
             core.shutdown()
         super().shutdown()
+
+
+def _copy_into(model: nn.Module, weights: Any) -> None:
+    """Copy ``weights`` into ``model`` in place, bit for bit; raises SchemaMismatchError (nothing
+    written) when their keys, shapes or dtypes differ."""
+    from wsync_core import Layout
+
+    dst = flatten(model, "tensordict", detach=False)
+    src = flatten(_as_weights(weights) if not isinstance(weights, nn.Module) else weights)
+    src = {k: v for k, v in src.items() if k in dst or EXTRA_STATE not in k}
+    dst = {k: v for k, v in dst.items() if k in src or EXTRA_STATE not in k}
+    Layout.of(dst).check_matches(Layout.of(src), mine="collector's policy", theirs="weights given",
+                                 context="update_policy_weights_")
+    with torch.no_grad():
+        for key, t in dst.items():
+            t.copy_(src[key])
 
 
 def _fresh_copy(core: WeightSyncScheme) -> WeightSyncScheme:
