@@ -250,8 +250,9 @@ class WsyncScheme(TorchRLScheme):
         while not self._stop.is_set():
             try:
                 self._wsync.receive(timeout=_RECV_SLICE)
-            except WsyncError as exc:  # a rejected payload: the sender was told (its send raises)
+            except WsyncError as exc:  # a rejected payload (the sender was told) or the sender gone
                 self._receiver_error = exc
+                self._stop.wait(_RECV_SLICE)  # a lasting failure must not spin
             except RuntimeError as exc:  # the scheme was shut down under us
                 if not self._stop.is_set():
                     self._receiver_error = exc
