@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_single_host.py [--sizes 10KiB,512MiB] [--repeat 10] [--json FILE]
 
-A thin layer over ``wsync_core.bench`` (the same harness as ``wsync bench``): one run with 2
+A thin layer over ``wsync_bench.harness`` (the same harness as ``wsync bench``): one run with 2
 worker processes (shm, mp, TorchRL's SharedMem and MultiProcess schemes), one with shm and 8
 workers, then the issue's targets, each with the figure it was judged on. The smallest size is
 judged against the small-model targets, the largest against the large-model ones.
@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from wsync_core import bench
+import wsync_bench.harness as bench
 
 
 #: sender memory beyond the payload's slots that the memory target allows

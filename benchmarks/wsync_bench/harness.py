@@ -1,4 +1,4 @@
-"""``wsync bench``: time one synchronous update per transport and model size, against this machine's floor.
+"""The measurement behind ``wsync bench``: time one synchronous update per transport and model size, against this machine's floor.
 
 Each measurement runs in its own sender process (spawned, in its own process group so a hung
 system can be ended whole) with real worker processes. One update is what a trainer pays per
@@ -392,8 +392,7 @@ def _time_sends(model: nn.Module, repeat: int, warmup: int, send: Callable[[], N
 
 
 def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
-    from .registry import get_transport
-    from .scheme import WeightSyncScheme
+    from wsync_core import WeightSyncScheme, get_transport
 
     nbytes, n = job["nbytes"], job["workers"]
     threads = not get_transport(job["system"]).capabilities.processes
@@ -635,8 +634,7 @@ def _unavailable(system: str, kind: str) -> str | None:
         except ImportError as exc:
             return f"TorchRL is not installed ({exc}); pip install torchrl"
         return None
-    from .registry import get_transport
-    from .errors import UnknownTransportError
+    from wsync_core import UnknownTransportError, get_transport
 
     try:
         get_transport(system)
@@ -646,7 +644,7 @@ def _unavailable(system: str, kind: str) -> str | None:
 
 
 def _network(system: str) -> bool:
-    from .registry import get_transport
+    from wsync_core import get_transport
 
     try:
         return get_transport(system).capabilities.multi_host
@@ -718,8 +716,7 @@ def _job_timeout(config: BenchConfig, nbytes: int) -> float:
 # -- output ------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """Where the figures come from: OS, CPU, cores, memory, Python, torch, wsync and its transports."""
-    from . import __version__
-    from .registry import list_transports
+    from wsync_core import __version__, list_transports
 
     cpu = platform.processor() or platform.machine()
     mem = None
