@@ -156,6 +156,7 @@ class InprocTransport(Transport):
     """Receivers are threads of this process; ``channel`` names the meeting point (default: unique)."""
 
     name = "inproc"
+    interface = 1
     capabilities = Capabilities(processes=False, zero_copy=True)
 
     def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:

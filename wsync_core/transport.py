@@ -54,10 +54,17 @@ __all__ = [
     "free_port",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
+    "INTERFACE_VERSION",
+    "check_interface",
 ]
 
 #: below this payload size, copying into a model costs less than mapping memory for it to adopt
 ZERO_COPY_MIN_BYTES = 1 << 20
+#: the version of the transport interface (this module) that this wsync-core implements. A
+#: transport class says which version it was written for (``interface = 1``); any change to what
+#: the core calls, or to what it expects back, raises it, and a plugin written for another
+#: version is refused when it loads, with both versions named
+INTERFACE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,8 @@ class Transport(ABC):
 
     #: the name users pass to ``WeightSyncScheme``
     name: ClassVar[str]
+    #: the transport interface version this class implements (``wsync_core.INTERFACE_VERSION``)
+    interface: ClassVar[int]
     #: what the transport can do
     capabilities: ClassVar[Capabilities] = Capabilities()
 
@@ -245,6 +254,20 @@ class Transport(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts})"
+
+
+def check_interface(cls: type[Transport]) -> None:
+    """Raise TypeError unless ``cls`` implements the transport interface of this wsync-core,
+    naming both versions."""
+    version = getattr(cls, "interface", None)
+    if version != INTERFACE_VERSION:
+        from . import __version__
+
+        said = "does not say which transport interface it implements" if version is None else \
+            f"implements transport interface {version}"
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__} {said}; wsync-core {__version__} implements "
+                        f"interface {INTERFACE_VERSION} (set interface = {INTERFACE_VERSION} once it does; "
+                        f"docs/writing-a-transport.md lists what changed between versions)")
 
 
 def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:

@@ -320,6 +320,7 @@ class FilesTransport(Transport):
     """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
 
     name = "files"
+    interface = 1
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
 
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:

@@ -476,6 +476,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    interface = 1
     capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
                                 late_join=True, cuda=True)
 
