@@ -31,7 +31,7 @@ from torchrl.collectors import MultiSyncCollector
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from wsync_core.bench import build_model, format_size, parse_size
+from wsync_bench.harness import build_model, format_size, parse_size
 
 __all__ = ["main", "run"]
 
