@@ -8,7 +8,9 @@ the package index; else GitHub) into a cache, then runs, with ``plugin.py`` load
 - by default, every test whose code names a weight sync scheme or ``update_policy_weights_``,
   minus the known exceptions (``EXCEPTIONS``, each explained in the adapter's README);
 - with ``--all``, the whole file (every multi-process collector uses a scheme: TorchRL's default
-  is replaced too).
+  is replaced too);
+- with ``--baseline``, the same tests with TorchRL's own schemes, to tell TorchRL's own failures
+  (tests of a newer source than the installed wheel, timing under load) from wsync's.
 
     python contrib/wsync-torchrl/tests/torchrl_suite/run.py [--all] [--list] [pytest args...]
 
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="run the whole of test_collectors.py")
     parser.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the same tests with TorchRL's own schemes (no swap): which failures are TorchRL's")
     parser.add_argument("--source", help="a pytorch/rl checkout or git directory to take the tests from")
     parser.add_argument("--cache", default=os.environ.get("WSYNC_TORCHRL_CACHE",
                                                           str(Path(tempfile.gettempdir()) / "wsync-torchrl-suite")))
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(selected))
         return 0
-    cmd = [sys.executable, "-m", "pytest", "-p", "wsync_swap_plugin", "-p", "no:cacheprovider",
+    swap = [] if args.baseline else ["-p", "wsync_swap_plugin"]
+    cmd = [sys.executable, "-m", "pytest", *swap, "-p", "no:cacheprovider",
            "--rootdir", str(dest), *deselect, *pytest_args, *selected]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dest), os.environ.get("PYTHONPATH", "")]))
     return subprocess.call(cmd, cwd=dest, env=env)
