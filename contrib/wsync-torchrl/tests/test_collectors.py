@@ -127,6 +127,7 @@ def test_a_worker_dying_at_startup_fails_the_collector_fast_with_its_error():
     assert time.monotonic() - t0 < 60  # far less than the scheme's 120 s timeout
     assert info.value.workers == [1]
     assert "worker 1" in str(info.value) and "Pendulum-v99" in str(info.value)
+    assert isinstance(info.value, RuntimeError)  # what TorchRL raises for a worker failing to start
 
 
 def test_collector_receives_through_weight_recv_schemes_inproc():

@@ -8,6 +8,6 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .safepoint import SafePoint
-from .scheme import WsyncScheme
+from .scheme import WorkerStartupError, WsyncScheme
 
-__all__ = ["__version__", "WsyncScheme", "SafePoint"]
+__all__ = ["__version__", "WsyncScheme", "WorkerStartupError", "SafePoint"]

@@ -25,15 +25,21 @@ from torchrl.collectors import Collector
 from torchrl.weight_update.utils import _resolve_model
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as TorchRLScheme
 
-from wsync_core import Transport, WeightSyncScheme, WsyncError
+from wsync_core import Transport, WeightSyncScheme, WorkerDiedError, WsyncError
 from wsync_core.weights import EXTRA_STATE, flatten
 
 from .safepoint import SafePoint
 
-__all__ = ["WsyncScheme"]
+__all__ = ["WsyncScheme", "WorkerStartupError"]
 
 #: how long the worker's receiving thread waits for a delivery before checking for a stop
 _RECV_SLICE = 0.2
+
+
+class WorkerStartupError(WorkerDiedError, RuntimeError):
+    """A collector's worker died before it held the first version: a wsync ``WorkerDiedError``
+    (``.workers``, the worker's traceback in the message) that is also the ``RuntimeError``
+    TorchRL raises for a worker that fails to start."""
 
 
 class WsyncScheme(TorchRLScheme):
@@ -165,7 +171,10 @@ class WsyncScheme(TorchRLScheme):
                     joined.join()
             return
         watch = _process_watch(self._watch_procs) if self._watch_procs is not None else None
-        self._wsync.connect(watch=watch)
+        try:
+            self._wsync.connect(watch=watch)
+        except WorkerDiedError as exc:
+            raise WorkerStartupError(str(exc), exc.workers) from None
         for w, worker_weights in sorted(self._per_worker_init.items()):  # distinct policy factories
             if w != min(self._per_worker_init):
                 self._wsync.send(weights=_as_weights(worker_weights), worker_ids=[w])
