@@ -1,6 +1,7 @@
 """``update_policy_weights_()`` inside a real TorchRL ``MultiSyncCollector`` (issue 18).
 
-    .venv/bin/python benchmarks/bench_torchrl.py [--sizes 10KiB,64MiB] [--workers 2] [--repeat 200,40] [--json FILE]
+    .venv/bin/python benchmarks/bench_torchrl.py [--sizes 10KiB,64MiB] [--workers 2] [--repeat 200,40]
+                                                 [--systems "wsync shm,..."] [--json FILE]
 
 For each policy size, one collector per scheme (wsync ``shm`` and ``mp`` through
 ``wsync_torchrl.WsyncScheme``; TorchRL's ``MultiProcessWeightSyncScheme`` and
@@ -145,7 +146,7 @@ def _time_updates(name: str, make: Callable[[], Any], nbytes: int, workers: int,
         collector.shutdown()
 
 
-def run(sizes: list[int], workers: int, repeats: list[int]) -> list[dict[str, Any]]:
+def run(sizes: list[int], workers: int, repeats: list[int], systems: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per (size, system): p50/p99 seconds and the ratio to the memcpy floor."""
     rows = []
     for nbytes, repeat in zip(sizes, repeats):
@@ -154,6 +155,8 @@ def run(sizes: list[int], workers: int, repeats: list[int]) -> list[dict[str, An
         rows.append({"size": format_size(nbytes), "system": "memcpy (floor)", "p50_ms": f50 * 1e3, "p99_ms": f99 * 1e3,
                      "x_memcpy": 1.0})
         for name, make in _schemes().items():
+            if systems and name not in systems:
+                continue
             try:
                 times, floor_here = _time_updates(name, make, nbytes, workers, repeat)
             except Exception as exc:  # noqa: BLE001 - a failing system is reported in its row, the rest still run
@@ -180,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10KiB,64MiB")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", default="200,40", help="updates timed per size (one number, or one per size)")
+    parser.add_argument("--systems", help="comma-separated subset, e.g. 'wsync shm,torchrl SharedMem'")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     repeats = [int(r) for r in args.repeat.split(",")]
     repeats = (repeats * len(sizes))[:len(sizes)] if len(repeats) == 1 else repeats
-    rows = run(sizes, args.workers, repeats)
+    rows = run(sizes, args.workers, repeats, args.systems.split(",") if args.systems else None)
     print(f"update_policy_weights_() in a MultiSyncCollector, {args.workers} workers, torch {torch.__version__}")
     for row in rows:
         print(_format(row))
