@@ -134,7 +134,7 @@ class RaySender(SenderEndpoint):
         while True:
             self._check_posts()
             if self.pending_events is None:
-                self.pending_events = self.mailbox.events.remote(min(LONG_POLL_S, deadline.remaining()))
+                self.pending_events = self.mailbox.events.remote(LONG_POLL_S)
             ready, _ = ray.wait([self.pending_events], timeout=_timeout(deadline))
             if not ready:
                 return []
@@ -241,7 +241,7 @@ class RayReceiver(ReceiverEndpoint):
                                       exc) from exc
                 return self._delivery(header, ref, value)
             if self.pending is None:
-                self.pending = self.mailbox.take.remote(self.worker, self.token, min(LONG_POLL_S, deadline.remaining()))
+                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             ready, _ = ray.wait([self.pending], timeout=_timeout(deadline))
             if not ready:
                 return None
