@@ -115,8 +115,9 @@ class RaySender(SenderEndpoint):
                 ref = ray.put(pickle.PickleBuffer(data.numpy()))  # raw bytes, out of band: one copy into the store
             except RayError as exc:
                 raise _ray_failed("putting the payload into Ray's object store failed", exc) from exc
-            if slot is not None:
-                self.refs[slot] = ref
+        # only the newest version may be published again (to a worker that joins): the sender lets
+        # go of older ones, which leave the store once the mailbox and the receivers let go too
+        self.refs = {} if slot is None else {slot: ref}
         self.latest = -1 if slot is None else slot
         self.seq += 1
         self.posts.append(self.mailbox.post.remote(self.seq, list(workers), bytes(header), [ref]))
