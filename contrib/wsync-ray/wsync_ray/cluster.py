@@ -45,14 +45,15 @@ class RayNode:
 
     ``auth_mode`` is Ray's ``RAY_AUTH_MODE`` for the node's processes: "disabled" (the default,
     for a node only this machine's processes reach) or "token"; a process joining the node must
-    use the same mode (set ``RAY_AUTH_MODE`` in its environment)."""
+    use the same mode (set ``RAY_AUTH_MODE`` in its environment). Each node keeps its sockets and
+    logs in a temporary directory of its own, removed by ``stop()``."""
 
     def __init__(self, *, num_cpus: int = 2, object_store_mib: int = 512, head: str | None = None,
                  node_ip: str = "127.0.0.1", prefix: Sequence[str] = (), port: int | None = None,
                  env: dict[str, str] | None = None, timeout: float = 90.0, resources: str | None = None,
                  auth_mode: str = "disabled") -> None:
         self.node_ip = node_ip
-        self.temp_dir = head is None and tempfile.mkdtemp(prefix="wsray-", dir="/tmp") or None
+        self.temp_dir = tempfile.mkdtemp(prefix="wsray-", dir="/tmp")
         ports = {} if prefix else {  # in a namespace of its own a node cannot collide with another one
             "--ray-client-server-port": _free_port(node_ip), "--dashboard-agent-listen-port": _free_port(node_ip),
             "--metrics-export-port": _free_port(node_ip)}
@@ -62,7 +63,7 @@ class RayNode:
         if resources:
             argv.append(f"--resources={resources}")
         if head is None:
-            port = port or _free_port(node_ip)
+            port = port or (6379 if prefix else _free_port(node_ip))  # a namespace of its own has 6379 free
             self.address = f"{node_ip}:{port}"
             argv += ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
             if not prefix:
@@ -70,6 +71,7 @@ class RayNode:
         else:
             self.address = head
             argv.append(f"--address={head}")
+            argv.append(f"--temp-dir={self.temp_dir}")  # nodes sharing a file system need sockets of their own
         self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [*prefix, *argv], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
