@@ -21,6 +21,9 @@ Rules every transport keeps (the conformance suite checks them):
 3. A receiver only needs the newest delivery: a transport may drop older undelivered ones.
 4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline.
 5. Nothing received from another process is unpickled; ``close`` frees every resource.
+
+The whole interface, with what each call returns and may raise, the threading rules and the
+limits: docs/writing-a-transport.md.
 """
 
 from __future__ import annotations
