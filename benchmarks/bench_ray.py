@@ -157,6 +157,7 @@ def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -
         scheme.connect(timeout=600.0)
         ray.get(connects)
         half = max(1, repeat // 2)
+        parts: list[tuple[float, float, float]] = []
         a, b = floor_rounds(actors, nbytes, half)
         floor["per_receiver"] += a
         floor["one"] += b
@@ -164,8 +165,12 @@ def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -
         def step(i: int) -> None:
             _bump(model, float(i + 1))
             scheme.send()
+            if i >= 2:
+                r = scheme.last_report
+                parts.append((r.snapshot_s, r.publish_s, max(r.ack_latency.values())))
 
         lat = _rounds(step, repeat)
+        floor["parts"] = [statistics.median(x) for x in zip(*parts)]
         a, b = floor_rounds(actors, nbytes, repeat - half)
         floor["per_receiver"] += a
         floor["one"] += b
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=node.address, log_to_driver=False, logging_level=logging.WARNING)
         for mib in sizes:
             nbytes = mib * MIB
-            floor: dict[str, list[float]] = {"per_receiver": [], "one": []}
+            floor: dict[str, Any] = {"per_receiver": [], "one": []}
             measured = {}
             if "wsync" in systems:
                 measured["wsync ray"] = run_wsync(nbytes, args.workers, args.repeat, floor)
@@ -246,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                              "p50_ms": p50 * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
                              "x_floor": None if ref is None else p50 / ref})
             _print(rows, mib)
+            if floor.get("parts"):
+                snap, pub, last = (x * 1e3 for x in floor["parts"])
+                print(f"wsync ray, medians: snapshot {snap:.1f} ms, publish (ray.put + post) {pub:.1f} ms, "
+                      f"last ack {last:.1f} ms after the send began")
+                rows.append({"system": "wsync ray parts", "mib": mib, "snapshot_ms": snap, "publish_ms": pub,
+                             "last_ack_ms": last})
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -261,7 +272,7 @@ def _print(rows: list[dict[str, Any]], mib: int) -> None:
     print(f"\n{mib} MiB")
     print(f"{'system':<48} {'p50 ms':>9} {'p99 ms':>9} {'x floor':>8}")
     for r in rows:
-        if r["mib"] != mib:
+        if r["mib"] != mib or "p50_ms" not in r and "error" not in r:
             continue
         if "error" in r:
             print(f"{r['system']:<48} error: {r['error']}")

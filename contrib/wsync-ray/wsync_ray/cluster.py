@@ -46,12 +46,14 @@ class RayNode:
     ``auth_mode`` is Ray's ``RAY_AUTH_MODE`` for the node's processes: "disabled" (the default,
     for a node only this machine's processes reach) or "token"; a process joining the node must
     use the same mode (set ``RAY_AUTH_MODE`` in its environment). Each node keeps its sockets and
-    logs in a temporary directory of its own, removed by ``stop()``."""
+    logs in a temporary directory of its own, removed by ``stop()``. ``preallocate`` has Ray
+    touch its whole object store at start (``RAY_preallocate_plasma_memory``), so that putting a
+    large object later does not pay for fresh pages: the setting to use for weight sync."""
 
     def __init__(self, *, num_cpus: int = 2, object_store_mib: int = 512, head: str | None = None,
                  node_ip: str = "127.0.0.1", prefix: Sequence[str] = (), port: int | None = None,
                  env: dict[str, str] | None = None, timeout: float = 90.0, resources: str | None = None,
-                 auth_mode: str = "disabled") -> None:
+                 auth_mode: str = "disabled", preallocate: bool = True) -> None:
         self.node_ip = node_ip
         self.temp_dir = tempfile.mkdtemp(prefix="wsray-", dir="/tmp")
         ports = {} if prefix else {  # in a namespace of its own a node cannot collide with another one
@@ -75,7 +77,8 @@ class RayNode:
         self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [*prefix, *argv], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "RAY_AUTH_MODE": auth_mode, **(env or {})})
+            env={**os.environ, "RAY_AUTH_MODE": auth_mode,
+                 "RAY_preallocate_plasma_memory": "1" if preallocate else "0", **(env or {})})
         atexit.register(self.stop)
         try:
             self._wait_up(timeout, head is None)

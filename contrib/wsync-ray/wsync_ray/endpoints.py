@@ -34,9 +34,10 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event
+from wsync_core.transport import Event, zero_copy_for
 
 from .mailbox import Mailbox
+from .plasma import private_map
 
 __all__ = ["RaySender", "RayReceiver", "connect_ray"]
 
@@ -189,8 +190,10 @@ def _payload(value: Any) -> torch.Tensor:
 
 
 class RayReceiver(ReceiverEndpoint):
-    """Takes its newest delivery from the mailbox (a long-poll) and hands the core a read-only view
-    of the payload in this node's object store, released (and so freeable) once applied."""
+    """Takes its newest delivery from the mailbox (a long-poll) and hands the core the payload in
+    this node's object store: a private copy-on-write mapping of it the core may adopt (zero-copy,
+    where this process may map it), else a read-only view the core copies from. Either is released
+    (and so freeable) once no tensor views it."""
 
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
@@ -199,6 +202,7 @@ class RayReceiver(ReceiverEndpoint):
         self.mailbox: Any = None
         self.pending: Any = None  # a take not yet answered
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
+        self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
 
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
@@ -273,6 +277,16 @@ class RayReceiver(ReceiverEndpoint):
                 raise TransportError(f"worker {self.worker}: malformed mailbox reply {reply!r:.200}")
 
     def _delivery(self, header: bytes, ref: Any, value: Any) -> Delivery:
+        if self.zero_copy:
+            mapped = private_map(value)
+            if mapped is not None:  # the receiver's own copy-on-write memory: the core may adopt it
+                tensor, region = mapped
+                kept = [ref, value, region]
+
+                def release_mapped() -> None:
+                    kept.clear()  # the mapping goes with the last view of it, then Ray may free the object
+
+                return Delivery(header, tensor, release_mapped, adoptable=True)
         payload = _payload(value)
         held = [ref, value]
 

@@ -47,7 +47,9 @@ class RayTransport(Transport):
     ``"wsync"``), ``address`` (the cluster a process not yet connected to Ray joins with
     ``ray.init(address=...)``; default ``"auto"``, the cluster started on this machine) and
     ``checksum`` (CRC32 of every payload, default False: Ray's object store and transfers keep
-    bytes intact).
+    bytes intact) and ``zero_copy`` (receivers map the payload copy-on-write and the core adopts
+    it instead of copying: True, False, or None for CPU models of 1 MiB and more; it needs a
+    process allowed to open ``/proc/self/map_files``, else the receiver copies).
     """
 
     name = "ray"
@@ -57,12 +59,14 @@ class RayTransport(Transport):
     trusted_runtime: ClassVar[tuple[str, str]] = TRUSTED_RUNTIME
 
     def __init__(self, *, channel: str | None = None, namespace: str = "wsync", address: str | None = None,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, zero_copy: bool | None = None) -> None:
         channel = f"wsync-{uuid.uuid4().hex}" if channel is None else _name(channel, "channel")
         if address is not None:
             address = _name(address, "address")
+        if zero_copy is not None and not isinstance(zero_copy, bool):
+            raise TypeError(f"ray option zero_copy must be True, False or None, got {zero_copy!r}")
         super().__init__(channel=channel, namespace=_name(namespace, "namespace"), address=address,
-                         checksum=bool(checksum))
+                         checksum=bool(checksum), zero_copy=zero_copy)
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         from .endpoints import RaySender
