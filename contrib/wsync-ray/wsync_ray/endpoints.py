@@ -137,14 +137,14 @@ class RaySender(SenderEndpoint):
             self._check_posts()
             if self.pending_events is None:
                 self.pending_events = self.mailbox.events.remote(LONG_POLL_S)
-            ready, _ = ray.wait([self.pending_events], timeout=_timeout(deadline))
-            if not ready:
-                return []
-            ref, self.pending_events = self.pending_events, None
             try:
-                batch = ray.get(ref)
+                batch = ray.get(self.pending_events, timeout=_timeout(deadline))
+            except GetTimeoutError:
+                return []
             except RayError as exc:
+                self.pending_events = None
                 raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
+            self.pending_events = None
             events = [e for e in map(_event, batch) if e is not None]
             if events or deadline.expired():
                 return events
@@ -235,29 +235,30 @@ class RayReceiver(ReceiverEndpoint):
         while True:
             if self.fetching is not None:
                 header, ref = self.fetching
-                ready, _ = ray.wait([ref], timeout=_timeout(deadline), fetch_local=True)
-                if not ready:
+                try:  # a local object at once; another node's is pulled here first
+                    value = ray.get(ref, timeout=_timeout(deadline))
+                except GetTimeoutError:
                     return None
-                self.fetching = None
-                try:
-                    value = ray.get(ref)
                 except RayError as exc:
+                    self.fetching = None
                     raise _ray_failed(f"worker {self.worker}: reading the payload from Ray's object store failed",
                                       exc) from exc
+                self.fetching = None
                 return self._delivery(header, ref, value)
             if self.pending is None:
                 self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
-            ready, _ = ray.wait([self.pending], timeout=_timeout(deadline))
-            if not ready:
-                return None
-            ref, self.pending = self.pending, None
             try:
-                reply = ray.get(ref)
+                reply = ray.get(self.pending, timeout=_timeout(deadline))
+            except GetTimeoutError:
+                return None
             except RayActorError as exc:
+                self.pending = None
                 raise _ray_failed(f"worker {self.worker}: the ray sender on channel {self.channel!r} is gone",
                                   exc) from exc
             except RayError as exc:
+                self.pending = None
                 raise _ray_failed(f"worker {self.worker}: taking from the mailbox failed", exc) from exc
+            self.pending = None
             kind = reply[0] if isinstance(reply, list) and reply else None
             if kind == "none":
                 if deadline.expired():
