@@ -5,7 +5,7 @@
 A Ray head node is started on this machine for the run (``wsync_ray.cluster.RayNode``: 2 CPUs,
 an object store of 4x the largest size) and stopped after it. The trainer is this process (a Ray
 driver); every worker is a Ray actor (``num_cpus=0``, torch on one thread, as TorchRL's
-collectors), holding the same float32 module (``wsync_core.bench.build_model``). Per size:
+collectors), holding the same float32 module (``wsync_bench.harness.build_model``). Per size:
 
 - **wsync ray**: ``scheme.send()`` with ``sync=True``: the snapshot of the trainer's module, one
   ``ray.put``, every worker taking it from its node's object store and copying it into its
@@ -42,7 +42,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the bench's own node, reac
 
 import ray  # noqa: E402
 from wsync_core import WeightSyncScheme  # noqa: E402
-from wsync_core.bench import build_model  # noqa: E402
+from wsync_bench.harness import build_model  # noqa: E402
 from wsync_ray.cluster import RayNode  # noqa: E402
 
 MIB = 1 << 20
