@@ -77,6 +77,7 @@ class RayNode:
         self.log = tempfile.TemporaryFile()
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [*prefix, *argv], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent,
             env={**os.environ, "RAY_AUTH_MODE": auth_mode,
                  "RAY_preallocate_plasma_memory": "1" if preallocate else "0", **(env or {})})
         atexit.register(self.stop)
@@ -139,6 +140,15 @@ class RayNode:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so a
+    killed test run does not leave a Ray node behind (``ray start`` then stops its processes)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def session_members(sid: int) -> list[int]:
