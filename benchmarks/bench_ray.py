@@ -3,7 +3,8 @@
     python benchmarks/bench_ray.py [--sizes 64,512] [--workers 4] [--repeat 20] [--json FILE]
 
 A Ray head node is started on this machine for the run (``wsync_ray.cluster.RayNode``: 2 CPUs,
-an object store of ``--store`` (6) times the largest size) and stopped after it. The trainer is this process (a Ray
+an object store of ``--store`` (4) times the largest size, preallocated, unreferenced objects deleted
+every 10 ms) and stopped after it. The trainer is this process (a Ray
 driver); every worker is a Ray actor (``num_cpus=0``, torch on one thread, as TorchRL's
 collectors), holding the same float32 module (``wsync_bench.harness.build_model``). Per size:
 
@@ -21,8 +22,7 @@ collectors), holding the same float32 module (``wsync_bench.harness.build_model`
 
 Each row: p50 and p99 of ``--repeat`` timed rounds after 6 warm-ups (with 20 rounds, p99 is
 close to the slowest), and the ratio of p50s to the floor. Six warm-ups, for every system: the
-first puts at a size land in object-store memory the trainer has not touched yet (the store
-holds six versions), and took up to a second at 512 MiB on this machine.
+first puts at a size land in object-store memory the trainer has not touched yet.
 """
 
 from __future__ import annotations
@@ -140,6 +140,15 @@ def _rounds(step, repeat: int, warmup: int = 6) -> list[float]:
     return out
 
 
+def _store_stats() -> dict[str, int]:
+    """What Ray's object store did so far: spilled and fallback-allocated bytes, objects now."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    st = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+    return {"spilled_bytes": st.spilled_bytes_total, "fallback_bytes": st.object_store_bytes_fallback,
+            "used_bytes": st.object_store_bytes_used, "objects": st.num_local_objects}
+
+
 def floor_rounds(actors: list, nbytes: int, repeat: int) -> tuple[list[float], list[float]]:
     """(one memcpy per receiver, all at once; one memcpy in this process) round times."""
     per_receiver = _rounds(lambda i: ray.get([a.memcpy.remote() for a in actors]), repeat)
@@ -173,6 +182,7 @@ def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -
 
         lat = _rounds(step, repeat)
         floor["parts"] = [statistics.median(x) for x in zip(*parts)]
+        floor["store"] = _store_stats()
         a, b = floor_rounds(actors, nbytes, repeat - half)
         floor["per_receiver"] += a
         floor["one"] += b
@@ -224,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--systems", default="wsync,torchrl")
-    parser.add_argument("--store", type=int, default=6,
-                        help="object store size in multiples of the largest size (default 6)")
+    parser.add_argument("--store", type=int, default=4,
+                        help="object store size in multiples of the largest size (default 4)")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -259,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             if floor.get("parts"):
                 snap, pub, last = (x * 1e3 for x in floor["parts"])
                 print(f"wsync ray, medians: snapshot {snap:.1f} ms, publish (ray.put + post) {pub:.1f} ms, "
-                      f"last ack {last:.1f} ms after the send began")
+                      f"last ack {last:.1f} ms after the send began; object store: {floor['store']}")
                 rows.append({"system": "wsync ray parts", "mib": mib, "snapshot_ms": snap, "publish_ms": pub,
-                             "last_ack_ms": last})
+                             "last_ack_ms": last, "store": floor["store"]})
     finally:
         if ray.is_initialized():
             ray.shutdown()
