@@ -203,6 +203,7 @@ class RayReceiver(ReceiverEndpoint):
         self.pending: Any = None  # a take not yet answered
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
         self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
+        self.delivered = False  # the last recv returned a delivery
 
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
@@ -232,6 +233,12 @@ class RayReceiver(ReceiverEndpoint):
         self.mailbox = mailbox
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        if self.delivered and deadline.expired():
+            # the core's "anything newer?" right after a delivery: the mailbox keeps only the newest
+            # per worker and that was just taken, so answer at once and let the ack go out first
+            self.delivered = False
+            return None
+        self.delivered = False
         while True:
             if self.fetching is not None:
                 header, ref = self.fetching
@@ -244,6 +251,7 @@ class RayReceiver(ReceiverEndpoint):
                     raise _ray_failed(f"worker {self.worker}: reading the payload from Ray's object store failed",
                                       exc) from exc
                 self.fetching = None
+                self.delivered = True
                 return self._delivery(header, ref, value)
             if self.pending is None:
                 self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
