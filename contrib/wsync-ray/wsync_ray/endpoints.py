@@ -235,8 +235,11 @@ class RayReceiver(ReceiverEndpoint):
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self.delivered and deadline.expired():
             # the core's "anything newer?" right after a delivery: the mailbox keeps only the newest
-            # per worker and that was just taken, so answer at once and let the ack go out first
+            # per worker and that was just taken, so do not wait for its answer; but re-arm the
+            # long-poll, so that what arrives next is here for a receive(timeout=0)
             self.delivered = False
+            if self.pending is None:
+                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             return None
         self.delivered = False
         while True:
