@@ -21,6 +21,7 @@ import contextlib
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -54,14 +55,19 @@ _HELLO = re.compile(r"hello-([0-9]+)")
 T = TypeVar("T")
 
 
-def _poll(deadline: Deadline, check: Callable[[], T | None]) -> T | None:
-    """Call ``check`` until it returns something truthy or the deadline passes."""
+def _poll(deadline: Deadline, check: Callable[[], T | None], woken: threading.Event | None = None) -> T | None:
+    """Call ``check`` until it returns something truthy, the deadline passes or ``woken`` is set."""
     delay = 0.001
     while True:
+        if woken is not None and woken.is_set():
+            return None
         found = check()
         if found or deadline.expired():
             return found
-        time.sleep(deadline.slice(delay))
+        if woken is not None:
+            woken.wait(deadline.slice(delay))
+        else:
+            time.sleep(deadline.slice(delay))
         delay = min(2 * delay, 0.02)
 
 
@@ -253,6 +259,7 @@ class _Receiver(ReceiverEndpoint):
         self.acks = time.time_ns()  # ack sequence: rises across restarts of this worker
         self.free: list[torch.Tensor] = []
         self.opened = False
+        self.woken = threading.Event()  # the scheme is shutting down: recv returns at once
 
     def open(self, deadline: Deadline) -> None:
         _mkdir(self.dir)
@@ -267,7 +274,10 @@ class _Receiver(ReceiverEndpoint):
         self.opened = True
 
     def recv(self, deadline: Deadline) -> Delivery | None:
-        return _poll(deadline, self._take)
+        return _poll(deadline, self._take, self.woken)
+
+    def wake(self) -> None:
+        self.woken.set()
 
     def _take(self) -> Delivery | None:
         data = _read(os.path.join(self.dir, f"to-{self.worker}"), MAX_HEADER_BYTES + 256)

@@ -391,6 +391,7 @@ class RpcReceiver(ReceiverEndpoint):
         self.worker = ctx.worker_idx
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
+        self.woken = False  # the scheme is shutting down: recv returns at once
 
     def open(self, deadline: Deadline) -> None:
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
@@ -411,9 +412,9 @@ class RpcReceiver(ReceiverEndpoint):
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         with _cond:
-            while not _mailbox and not deadline.expired():
+            while not _mailbox and not self.woken and not deadline.expired():
                 _cond.wait(deadline.slice(1.0))
-            if not _mailbox:
+            if not _mailbox or self.woken:
                 return None
             header, payload = _mailbox.pop()
         return Delivery(header, payload)
@@ -422,6 +423,11 @@ class RpcReceiver(ReceiverEndpoint):
         if self.agent is None:
             raise TransportError(f"rpc: {worker_name(self.worker)}: ack() before open() or after close()")
         self._tell(_ACK, bytes(data))
+
+    def wake(self) -> None:
+        with _cond:
+            self.woken = True
+            _cond.notify_all()
 
     def close(self) -> None:
         agent, self.agent = self.agent, None

@@ -328,6 +328,8 @@ class _Receiver(ReceiverEndpoint):
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
+        self._woken = False
+        self._wake_fd = -1  # an eventfd the selector also watches: wake() ends a wait at once
 
     def open(self, deadline: Deadline) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -352,11 +354,23 @@ class _Receiver(ReceiverEndpoint):
         self._sock = sock
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._selector.register(self._wake_fd, selectors.EVENT_READ)
+
+    def wake(self) -> None:
+        self._woken = True
+        if self._wake_fd >= 0:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:  # closed meanwhile: nothing waits on it any more
+                pass
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self._sock is None:
             raise TransportError(f"worker {self._worker}: the shm receiver is closed")
         while True:
+            if self._woken:
+                return None
             self._read()
             if self._newest is not None:
                 delivery = self._take()
@@ -458,6 +472,9 @@ class _Receiver(ReceiverEndpoint):
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
         if self._sock is not None:
             self._sock.close()
             self._sock = None
