@@ -50,8 +50,8 @@ __all__ = ["FilesTransport"]
 _HOST = socket.gethostname()
 _PROC = os.path.isdir("/proc/self")
 _PAYLOAD = re.compile(r"payload-[0-9a-f]{12}-[0-9]+\.bin")
-_ACK = re.compile(r"ack-([0-9]+)-[0-9]{20}")
-_HELLO = re.compile(r"hello-([0-9]+)")
+_ACK = re.compile(r"ack-([0-9]{1,9})-[0-9]{20}")
+_HELLO = re.compile(r"hello-([0-9]{1,9})")
 T = TypeVar("T")
 
 
@@ -125,7 +125,7 @@ def _unlink(path: str) -> None:
 def _alive(owner: bytes) -> bool:
     """Whether the process that wrote ``host pid token`` still runs (always True on another host)."""
     host, pid = (owner.split() + [b"", b""])[:2]
-    if host != _HOST.encode() or not pid.isdigit():
+    if host != _HOST.encode() or not (pid.isdigit() and len(pid) <= 10):
         return True
     if not _PROC:
         try:

@@ -16,7 +16,6 @@ broadcast to the end, so every receiver's collective completes, then ``abort(seq
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -37,6 +36,7 @@ from wsync_core import (
     TransportError,
     WorkerTimeoutError,
 )
+from wsync_core.protocol import decode_json
 from wsync_core.transport import Event
 
 from . import wire
@@ -364,8 +364,8 @@ class DistributedSender(SenderEndpoint):
 
     def _on_event(self, kind: bytes, w: int, data: bytes) -> None:
         if kind == wire.JOIN:
+            obj = decode_json(data, f"join from worker {w}", 4096)
             try:
-                obj = json.loads(data)
                 inbox, nbytes = obj["inbox"], obj["nbytes"]
                 if not (isinstance(inbox, str) and 0 < len(inbox) <= 64 and inbox.isalnum()
                         and isinstance(nbytes, int) and nbytes >= 0):

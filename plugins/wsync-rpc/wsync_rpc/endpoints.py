@@ -238,7 +238,7 @@ class _Agent:
                 self.close()
                 raise TransportError(f"rpc: {name} got no world size from the sender's store at "
                                      f"{self.host}:{self.port} within {wait.total_seconds():g} s: {_brief(exc)}") from exc
-            if not raw.isdigit() or not rank < int(raw) <= 1 << 20:
+            if not (0 < len(raw) <= 8 and raw.isdigit()) or not rank < int(raw) <= 1 << 20:
                 self.close()
                 raise TransportError(f"rpc: the sender's store gives world size {raw[:20]!r}, which cannot hold rank {rank}")
             self.world = int(raw)
