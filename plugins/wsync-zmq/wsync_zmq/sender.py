@@ -8,6 +8,8 @@ slow or silent worker holds at most one buffer and costs the others nothing.
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +20,7 @@ from wsync_core import TransportError
 from wsync_core.deadline import Deadline
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
-from .sockets import close_all, configure, log, monitor_events, wrap
+from .sockets import close_all, close_inherited, configure, local_name, log, monitor_events, wrap
 from .wire import ACK, BYE, DATA, HELLO, MAX_PEER_FRAME, decode_peer
 
 __all__ = ["ZmqSender"]
@@ -86,6 +88,7 @@ class ZmqSender(SenderEndpoint):
         self._inflight: dict[int, zmq.MessageTracker] = {}
         self._waiting: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._events: list[Event] = []
+        self._local: tuple[str, str | int] | None = None  # where it listens, as this host knows it
 
     @property
     def endpoint(self) -> str:
@@ -114,6 +117,8 @@ class ZmqSender(SenderEndpoint):
                                  f"address? pass address='tcp://HOST:PORT' with a free port") from exc
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._local = local_name(self.endpoint)
+        _live.add(self)
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
@@ -267,6 +272,7 @@ class ZmqSender(SenderEndpoint):
         self._events.append(Left(w, reason))
 
     def close(self) -> None:
+        _live.discard(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
         if context is None:
@@ -280,3 +286,18 @@ class ZmqSender(SenderEndpoint):
         self._latest = None
         self._waiting.clear()
         self._inflight.clear()
+
+
+_live: weakref.WeakSet[ZmqSender] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child never uses its parent's zmq sockets: it lets go of its copies of their
+    listening and accepted sockets, so the parent's address is free as soon as the parent closes."""
+    names = {s._local for s in list(_live) if s._local is not None}
+    _live.clear()
+    if names:
+        close_inherited(names)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
