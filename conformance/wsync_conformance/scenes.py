@@ -13,6 +13,7 @@ from typing import Any
 
 from wsync_core import WeightSyncScheme
 
+from . import resources
 from .context import Context, RawSender, Session
 from .guarantees import guarantee, violated
 from .models import digests, fill_version, version_spec
@@ -70,6 +71,7 @@ class SceneChecks:
         lives, the parent keeps sending, its shutdown() frees the channel at once (a new sender
         with the same options connects), and nothing is left behind."""
         spec = version_spec()
+        listening = set(resources.listening_sockets())
         s = wsync.session(spec, n=2)
         fill_version(s.model, 1)
         s.check(s.send())
@@ -89,6 +91,14 @@ class SceneChecks:
             if not helper.is_alive():
                 raise violated("clean", f"the forked helper ended during the parent's shutdown() "
                                         f"(exit code {helper.exitcode})")
+            end = time.monotonic() + wsync.timeout  # a transport may let go of its sockets a little later
+            while not set(resources.listening_sockets()) <= listening and time.monotonic() < end:
+                gc.collect()
+                time.sleep(0.1)
+            kept = sorted(set(resources.listening_sockets()) - listening)
+            if kept:
+                raise violated("clean", f"{wsync.timeout:g} s after shutdown() of a sender over {transport!r}, its "
+                                        f"process still listens on {kept}")
             again = WeightSyncScheme(transport, timeout=wsync.timeout)
             wsync._closers.append(again.shutdown)
             model = s.model

@@ -37,6 +37,7 @@ from wsync_core import (
     SenderEndpoint,
     TransportError,
 )
+from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.transport import Event
 
@@ -211,6 +212,8 @@ class _Agent:
             raise
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
+        if master:
+            _hosting[:] = [self.port]
         listen: dict[str, int] = {}
         try:
             if master:  # the store listens on ``host`` only (TCPStore alone binds every interface); it owns the fd
@@ -276,12 +279,27 @@ class _Agent:
             except RuntimeError as exc:
                 log.warning("rpc: shutting down the RPC agent: %s", _brief(exc))
         self.store = None
+        _hosting.clear()
         with _cond:
             _owner.clear()
             _mailbox.clear()
             _newest[0] = -1
             _events.clear()
             _cond.notify_all()
+
+
+#: the port of the store this process hosts as a sender (a forked child lets go of its sockets)
+_hosting: list[int] = []
+
+
+def _after_fork_in_child() -> None:
+    """A forked child lets go of its copies of the sender's store sockets, so the parent's port is
+    free once it closes (the child never uses them)."""
+    ports, _hosting[:] = list(_hosting), []
+    close_inherited(ports=ports)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _brief(exc: BaseException) -> str:

@@ -18,9 +18,10 @@ import zmq
 import zmq.auth.thread
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.forked import close_inherited
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
-from .sockets import close_all, close_inherited, configure, local_name, log, monitor_events, wrap
+from .sockets import close_all, configure, log, monitor_events, wrap
 from .wire import ACK, BYE, DATA, HELLO, MAX_PEER_FRAME, decode_peer
 
 __all__ = ["ZmqSender"]
@@ -88,7 +89,7 @@ class ZmqSender(SenderEndpoint):
         self._inflight: dict[int, zmq.MessageTracker] = {}
         self._waiting: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._events: list[Event] = []
-        self._local: tuple[str, str | int] | None = None  # where it listens, as this host knows it
+        self._local: int | str | None = None  # the TCP port or ipc path it listens on
 
     @property
     def endpoint(self) -> str:
@@ -117,7 +118,8 @@ class ZmqSender(SenderEndpoint):
                                  f"address? pass address='tcp://HOST:PORT' with a free port") from exc
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._local = local_name(self.endpoint)
+        bound = self.endpoint
+        self._local = int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else bound[len("ipc://"):]
         _live.add(self)
 
     # -- buffers ------------------------------------------------------------------------------
@@ -294,10 +296,9 @@ _live: weakref.WeakSet[ZmqSender] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     """A forked child never uses its parent's zmq sockets: it lets go of its copies of their
     listening and accepted sockets, so the parent's address is free as soon as the parent closes."""
-    names = {s._local for s in list(_live) if s._local is not None}
+    local = [s._local for s in list(_live) if s._local is not None]
     _live.clear()
-    if names:
-        close_inherited(names)
+    close_inherited(ports=[p for p in local if isinstance(p, int)], paths=[p for p in local if isinstance(p, str)])
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

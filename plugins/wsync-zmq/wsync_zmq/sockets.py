@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 from typing import Any
 
@@ -13,7 +11,7 @@ import zmq
 import zmq.utils.garbage
 from wsync_core import TransportError
 
-__all__ = ["log", "configure", "monitor_events", "close_all", "wrap", "local_name", "close_inherited"]
+__all__ = ["log", "configure", "monitor_events", "close_all", "wrap"]
 
 log = logging.getLogger("wsync.zmq")
 
@@ -59,45 +57,3 @@ def close_all(context: zmq.Context | None, *sockets: zmq.Socket | None) -> None:
     if not gc.refs:
         gc.stop()
 
-
-def local_name(endpoint: str) -> tuple[str, str | int] | None:
-    """What a bound ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) is known by locally:
-    ("tcp", port) or ("ipc", path)."""
-    if endpoint.startswith("tcp://"):
-        return ("tcp", int(endpoint.rsplit(":", 1)[1]))
-    if endpoint.startswith("ipc://"):
-        return ("ipc", endpoint[len("ipc://"):])
-    return None
-
-
-def _name_of(sock: socket.socket) -> tuple[str, str | int] | None:
-    try:
-        name = sock.getsockname()
-    except OSError:
-        return None
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        return ("tcp", name[1])
-    if sock.family == socket.AF_UNIX and isinstance(name, str):
-        return ("ipc", name)
-    return None
-
-
-def close_inherited(names: set[tuple[str, str | int]]) -> None:
-    """In a forked child: close this process's copies of the sockets libzmq opened locally at
-    ``names`` (listening and accepted ones), which the child can never use; the parent's stay."""
-    try:
-        entries = os.listdir("/proc/self/fd")
-    except OSError:
-        return
-    for entry in entries:
-        fd = int(entry)
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=fd)
-        except OSError:  # closed meanwhile, or not a socket
-            continue
-        if _name_of(sock) in names:
-            sock.close()
-        else:
-            sock.detach()
