@@ -37,6 +37,7 @@ from wsync_core.protocol import MAX_HEADER_BYTES
 from . import harness, profiles, resources
 from .context import Context, RawSender, Session, classify, send_expect_timeout
 from .guarantees import guarantee, violated
+from .holding import HoldingChecks
 from .models import KINDS, ModelSpec, TensorSpec, build, digests, fill, fill_version, random_values, rich_spec, version_spec
 from .portable import MAX_PICKLE_BYTES, inspect_pickle
 from .scenes import SceneChecks
@@ -57,7 +58,7 @@ def _option(request: pytest.FixtureRequest, name: str) -> Any:
         return None
 
 
-class TransportSuite(SceneChecks):
+class TransportSuite(HoldingChecks, SceneChecks):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""
 
     #: entry-point name, ``"module:attr"``, Transport class, Transport object or factory(**options)
