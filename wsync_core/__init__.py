@@ -27,6 +27,7 @@ from .report import SendReport
 from .scheme import SendHandle, WeightSyncScheme
 from .transport import (
     Acked,
+    INTERFACE_VERSION,
     Capabilities,
     Delivery,
     Event,
@@ -60,6 +61,7 @@ __all__ = [
     # writing a transport
     "hookimpl",
     "Transport",
+    "INTERFACE_VERSION",
     "Capabilities",
     "SenderContext",
     "ReceiverContext",

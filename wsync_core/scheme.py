@@ -128,6 +128,7 @@ class WeightSyncScheme:
         self._endpoint: SenderEndpoint | ReceiverEndpoint | None = None  # opened by connect()
         self._unopened: SenderEndpoint | ReceiverEndpoint | None = None
         self._finalizer: weakref.finalize | None = None
+        self._closing = False  # shutdown() began: a receive() waiting in another thread ends
         self._source: Any = None
         self._layout: Layout | None = None
         self._model_id: str = self._config["model_id"] or "policy"
@@ -470,11 +471,15 @@ class WeightSyncScheme:
         Returns (targets still missing, rejections by worker).
         """
         while True:
-            rejected = {w: a for w in targets if (a := self._rejected.get(w)) and a.version >= version}
+            # a rejection of v fails the sends up to v that the worker has not applied: it only
+            # ever gets the newest version, so it will not apply those any more
+            rejected = {w: a for w in targets
+                        if self._acked[w] < version and (a := self._rejected.get(w)) and a.version >= version}
             missing = [w for w in targets if self._acked[w] < version and w not in rejected]
             alive = [w for w in missing if w not in self._left]
             if not alive or deadline.expired():
                 return missing, rejected
+            self._check_closing(f"waiting for version {version}")
             self._pump(deadline)
 
     def _finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
@@ -489,7 +494,8 @@ class WeightSyncScheme:
             w, ack = min(rejected.items())
             cls = _ERROR_TYPES.get(ack.error_type or "", TransportError)
             others = f" (also failed: {sorted(set(rejected) - {w})})" if len(rejected) > 1 else ""
-            raise cls(f"worker {w} rejected version {version}: {ack.error}{others}")
+            which = f"version {version}" if ack.version == version else f"version {ack.version} (before applying {version})"
+            raise cls(f"worker {w} rejected {which}: {ack.error}{others}")
         if missing:
             gone = [w for w in missing if w in self._left]
             detail = f"; workers {gone} disconnected" if gone else ""
@@ -528,6 +534,7 @@ class WeightSyncScheme:
         while True:
             if self._receive(deadline) is not None:
                 break
+            self._check_closing("connect()")
             if deadline.expired():
                 raise WorkerTimeoutError(
                     f"worker {self._worker_idx} got no weights from the sender within {deadline.timeout:g} s; "
@@ -539,11 +546,22 @@ class WeightSyncScheme:
 
         Returns the version applied, or None if nothing new came. A damaged or mismatched
         payload raises TransportError or SchemaMismatchError and leaves the model untouched.
+        If ``shutdown()`` is called from another thread meanwhile, the wait ends at once and
+        this raises StateError (like any call on a scheme that was shut down).
         """
         self._adopt_fork()
         with self._lock:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
-            return self._receive(Deadline(timeout))
+            version = self._receive(Deadline(timeout))
+            if version is None:
+                self._check_closing("receive()")
+            return version
+
+    def _check_closing(self, what: str) -> None:
+        """Raise StateError if ``shutdown()`` began in another thread while ``what`` waited."""
+        if self._closing:
+            raise StateError(f"{what} was interrupted: shutdown() was called from another thread; "
+                             f"build a new WeightSyncScheme")
 
     def _receive(self, deadline: Deadline) -> int | None:
         endpoint: ReceiverEndpoint = self._endpoint  # type: ignore[assignment]
@@ -656,8 +674,16 @@ class WeightSyncScheme:
                 self._expect(_State.RECEIVER if self._worker_idx is not None else _State.SENDER, "connect")
 
     def shutdown(self) -> None:
-        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards."""
+        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards.
+
+        Safe to call from another thread: a ``receive()`` or receiver ``connect()`` waiting there
+        ends at once with StateError, then the resources are freed.
+        """
         self._adopt_fork()
+        self._closing = True
+        endpoint = self._endpoint
+        if endpoint is not None:  # before taking the lock, which a waiting receive() holds
+            endpoint.wake()
         self._stop_service.set()
         if self._service is not None and self._service is not threading.current_thread():
             self._service.join()
