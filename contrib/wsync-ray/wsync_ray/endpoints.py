@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import threading
 import time
 import uuid
 import warnings
@@ -45,6 +46,8 @@ log = logging.getLogger("wsync.ray")
 
 #: longest a mailbox long-poll waits on the actor before answering "nothing yet"
 LONG_POLL_S = 5.0
+#: longest a wait goes without checking whether the scheme is shutting down (``wake``)
+WAKE_SLICE_S = 0.05
 _mailbox_class: Any = None
 
 
@@ -71,6 +74,23 @@ def _timeout(deadline: Deadline) -> float | None:
     return None if math.isinf(left) else left
 
 
+class _Woken(Exception):
+    """The scheme is shutting down: the wait gives up at once."""
+
+
+def _get(ref: Any, deadline: Deadline, woken: threading.Event) -> Any:
+    """``ray.get(ref)`` by ``deadline``, in slices of ``WAKE_SLICE_S`` so that ``woken`` ends the
+    wait at once. Raises GetTimeoutError at the deadline, _Woken once woken, RayError as Ray does."""
+    while True:
+        if woken.is_set():
+            raise _Woken
+        try:
+            return ray.get(ref, timeout=deadline.slice(WAKE_SLICE_S))
+        except GetTimeoutError:
+            if deadline.expired():
+                raise
+
+
 def _ray_failed(what: str, exc: BaseException) -> TransportError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return TransportError(f"{what}: {type(exc).__name__}: {first}")
@@ -90,6 +110,7 @@ class RaySender(SenderEndpoint):
         self.mailbox: Any = None
         self.pending_events: Any = None
         self.posts: list[Any] = []
+        self.woken = threading.Event()
 
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
@@ -138,8 +159,8 @@ class RaySender(SenderEndpoint):
             if self.pending_events is None:
                 self.pending_events = self.mailbox.events.remote(LONG_POLL_S)
             try:
-                batch = ray.get(self.pending_events, timeout=_timeout(deadline))
-            except GetTimeoutError:
+                batch = _get(self.pending_events, deadline, self.woken)
+            except (GetTimeoutError, _Woken):
                 return []
             except RayError as exc:
                 self.pending_events = None
@@ -148,6 +169,9 @@ class RaySender(SenderEndpoint):
             events = [e for e in map(_event, batch) if e is not None]
             if events or deadline.expired():
                 return events
+
+    def wake(self) -> None:
+        self.woken.set()
 
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
@@ -204,6 +228,7 @@ class RayReceiver(ReceiverEndpoint):
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
         self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
         self.delivered = False  # the last recv returned a delivery
+        self.woken = threading.Event()
 
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
@@ -233,6 +258,8 @@ class RayReceiver(ReceiverEndpoint):
         self.mailbox = mailbox
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        if self.woken.is_set():
+            return None
         if self.delivered and deadline.expired():
             # the core's "anything newer?" right after a delivery: the mailbox keeps only the newest
             # per worker and that was just taken, so do not wait for its answer; but re-arm the
@@ -246,8 +273,8 @@ class RayReceiver(ReceiverEndpoint):
             if self.fetching is not None:
                 header, ref = self.fetching
                 try:  # a local object at once; another node's is pulled here first
-                    value = ray.get(ref, timeout=_timeout(deadline))
-                except GetTimeoutError:
+                    value = _get(ref, deadline, self.woken)
+                except (GetTimeoutError, _Woken):
                     return None
                 except RayError as exc:
                     self.fetching = None
@@ -259,8 +286,8 @@ class RayReceiver(ReceiverEndpoint):
             if self.pending is None:
                 self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             try:
-                reply = ray.get(self.pending, timeout=_timeout(deadline))
-            except GetTimeoutError:
+                reply = _get(self.pending, deadline, self.woken)
+            except (GetTimeoutError, _Woken):
                 return None
             except RayActorError as exc:
                 self.pending = None
@@ -306,6 +333,9 @@ class RayReceiver(ReceiverEndpoint):
             held.clear()  # drops this process's reference: the object is freed once nobody holds it
 
         return Delivery(header, payload, release)
+
+    def wake(self) -> None:
+        self.woken.set()
 
     def ack(self, data: bytes) -> None:
         if len(data) > MAX_ACK_BYTES:
