@@ -31,6 +31,12 @@ def ray_head() -> Iterator[RayNode]:
     _leave_ray()
     node = RayNode(num_cpus=2, object_store_mib=512)
     try:
+        # this process joins first, as a trainer in a Ray job does: the sockets Ray listens on
+        # from here on are the runtime's, there before any scheme (the suite's forked-sender check
+        # compares against them)
+        import ray
+
+        ray.init(address=node.address, log_to_driver=False, logging_level="WARNING")
         yield node
     finally:
         try:

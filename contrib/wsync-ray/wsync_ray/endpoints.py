@@ -187,6 +187,15 @@ class RaySender(SenderEndpoint):
             ray.kill(mailbox, no_restart=True)
         except RayError as exc:
             log.debug("ray channel %s: mailbox kill failed: %s", self.channel, exc)
+            return
+        end = time.monotonic() + 10.0  # the channel is free again once its name is: a new sender may open
+        while time.monotonic() < end:
+            try:
+                ray.get_actor(self.channel, namespace=self.namespace)
+            except ValueError:
+                return
+            time.sleep(0.02)
+        log.warning("ray channel %s: the mailbox's name is still taken 10 s after shutdown", self.channel)
 
 
 def _event(item: Any) -> Event | None:
