@@ -1,9 +1,9 @@
 """The ``ray`` transport's two endpoints: the sender puts payloads into Ray's object store and
 posts to the mailbox actor; a receiver takes from the mailbox and reads its node's object store.
 
-Every Ray call that can wait is bounded by the caller's deadline (``ray.wait`` with a timeout);
-a long-poll left unanswered at the deadline is kept and picked up by the next call, so nothing
-is asked twice and nothing is lost.
+Every Ray call that can wait is bounded by the caller's deadline (``ray.get`` with a timeout, in
+slices so that ``wake`` ends it at once); a long-poll left unanswered at the deadline is kept and
+picked up by the next call, so nothing is asked twice and nothing is lost.
 """
 
 from __future__ import annotations
