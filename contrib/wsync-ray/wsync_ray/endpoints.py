@@ -357,6 +357,6 @@ class RayReceiver(ReceiverEndpoint):
         if mailbox is None:
             return
         try:  # after this worker's acks (Ray runs one caller's calls in order): the sender reads them first
-            ray.get(mailbox.bye.remote(self.worker, self.token), timeout=10)
+            ray.get(mailbox.bye.remote(self.worker, self.token), timeout=5)
         except (RayError, GetTimeoutError) as exc:
             log.debug("ray channel %s: bye from worker %d failed: %s", self.channel, self.worker, exc)
