@@ -1,8 +1,15 @@
 """The whole wsync conformance suite against ``rpc`` (TensorPipe, CPU)."""
 
+import pytest
+
 from wsync_conformance import TransportSuite
 
 
 class TestRpcConformance(TransportSuite):
     transport = "rpc"
     options = {"rpc_timeout": 30.0}
+
+    @pytest.mark.xfail(strict=True, reason="known: rpc's sender keeps its store's port listening after shutdown() "
+                                           "(fork or not), so a new sender with the same options cannot bind it")
+    def test_clean_sender_forks_after_connect(self, wsync) -> None:
+        super().test_clean_sender_forks_after_connect(wsync)
