@@ -16,6 +16,7 @@ from .errors import (
     StateError,
     TransportError,
     UnknownTransportError,
+    WorkerDiedError,
     WorkerTimeoutError,
     WsyncError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "StateError",
     "SchemaMismatchError",
     "WorkerTimeoutError",
+    "WorkerDiedError",
     "TransportError",
     "UnknownTransportError",
     # writing a transport
