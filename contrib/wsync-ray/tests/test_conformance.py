@@ -4,6 +4,8 @@ of object store); the suite's receiver processes join it as Ray drivers."""
 import pytest
 from wsync_conformance import Target, TransportSuite
 
+pytest.importorskip("ray", reason="the ray transport needs Ray (pip install 'ray[default]')")
+
 
 class TestRay(TransportSuite):
     transport = "ray"
