@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         selected = [str(target)]
     else:
         selected = [f"{target}::{t}" for t in weight_sync_tests(target) if t not in EXCEPTIONS]
-    deselect = [a for t in EXCEPTIONS for a in ("--deselect", f"{target}::{t}")]
+    deselect = [a for t in EXCEPTIONS for a in ("--deselect", f"{target.name}::{t}")]  # node ids are rootdir-relative
     if args.list:
         print("\n".join(selected))
         return 0
