@@ -4,6 +4,8 @@ transports), the scheme classes the tests name included. Load with ``-p plugin``
 
 from __future__ import annotations
 
+import os
+
 import torchrl.collectors._multi_base as _multi_base
 import torchrl.weight_update as _weight_update
 import torchrl.weight_update._mp as _mp
@@ -12,7 +14,7 @@ import torchrl.weight_update.weight_sync_schemes as _schemes
 
 from wsync_torchrl import WsyncScheme
 
-__all__ = ["SharedMemWsyncScheme", "MultiProcessWsyncScheme"]
+__all__ = ["SharedMemWsyncScheme", "MultiProcessWsyncScheme", "pytest_collection_modifyitems"]
 
 
 class SharedMemWsyncScheme(WsyncScheme):
@@ -37,3 +39,15 @@ for _module in (_weight_update, _multi_base, _shared, _mp):
         _module.MultiProcessWeightSyncScheme = MultiProcessWsyncScheme
 _schemes._WEIGHT_SYNC_SCHEMES["shared"] = SharedMemWsyncScheme
 _schemes._WEIGHT_SYNC_SCHEMES["process"] = MultiProcessWsyncScheme
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Deselect every parametrization of the tests named in ``$WSYNC_TORCHRL_EXCEPTIONS``
+    (``Class::test``, comma-separated): exactly those functions, not others sharing a prefix."""
+    names = {n for n in os.environ.get("WSYNC_TORCHRL_EXCEPTIONS", "").split(",") if n}
+    if not names:
+        return
+    drop = [item for item in items if item.nodeid.split("::", 1)[-1].split("[")[0] in names]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
