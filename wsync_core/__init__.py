@@ -11,6 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .deadline import Deadline
+from .endpoints import Buffer, ReceiverBase, SenderBase
 from .errors import (
     SchemaMismatchError,
     StateError,
@@ -78,4 +79,8 @@ __all__ = [
     "zero_copy_for",
     "MAX_HEADER_BYTES",
     "MAX_ACK_BYTES",
+    # the bases a transport may build on (docs/writing-a-transport.md)
+    "SenderBase",
+    "ReceiverBase",
+    "Buffer",
 ]
