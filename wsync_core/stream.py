@@ -614,6 +614,8 @@ class StreamReceiver(_Loop, ReceiverBase):
             self.selector.register(stream, selectors.EVENT_READ, conn)
         try:
             while self.is_open:
+                with self.cond:
+                    self._flush(conn)  # what the handshake, ack() or a ping queued
                 ready = self.selector.select(min(1.0, self.heartbeat / 4))
                 with self.cond:
                     if not self.is_open:
