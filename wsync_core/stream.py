@@ -267,6 +267,11 @@ class _Loop:
                     frames.append(got)
         except (BlockingIOError, InterruptedError):
             pass
+        except EOFError:
+            if not frames:
+                raise
+            # the frames before the end first (an ack just before a goodbye is not lost); the
+            # next read meets the end again
         return frames
 
     def _flush(self, conn: _Conn) -> None:
