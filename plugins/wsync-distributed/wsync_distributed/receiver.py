@@ -24,7 +24,7 @@ import torch.distributed as dist
 from wsync_core import Deadline, Delivery, ReceiverContext, ReceiverEndpoint, TransportError
 
 from . import wire
-from .transport import Config
+from .config import Config
 
 __all__ = ["DistributedReceiver"]
 

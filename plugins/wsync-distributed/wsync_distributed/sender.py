@@ -40,8 +40,8 @@ from wsync_core import (
 from wsync_core.transport import Event
 
 from . import wire
+from .config import Config
 from .receiver import HEARTBEAT_S
-from .transport import Config
 
 __all__ = ["DistributedSender"]
 

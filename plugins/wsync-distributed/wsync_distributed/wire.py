@@ -36,7 +36,7 @@ import torch.distributed as dist
 from wsync_core import Deadline, TransportError
 from wsync_core.protocol import MAX_ACK_BYTES
 
-from .transport import Config
+from .config import Config
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
