@@ -1,0 +1,40 @@
+"""unix's own tests: options, and authentication (the suite cannot test how a peer authenticates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from wsync_core import Deadline, Joined, Layout, ReceiverContext, SenderContext, TransportError
+from wsync_unix import UnixTransport
+
+LAYOUT = Layout.of({"w": torch.zeros(16)})
+
+
+def test_default_is_a_unique_name_with_a_key_and_options_are_checked() -> None:
+    a, b = UnixTransport(), UnixTransport()
+    assert a.options["name"] != b.options["name"] and a.options["authkey"] and "***" in repr(a)
+    assert UnixTransport(name="x").options["authkey"] is None
+    with pytest.raises(ValueError, match="name"):
+        UnixTransport(name="a/b")
+
+
+def test_a_wrong_key_is_refused_and_the_right_one_joins() -> None:
+    transport = UnixTransport(name=f"test-auth-{id(object())}", authkey="right")
+    sender = transport.sender(SenderContext(2, LAYOUT, "policy", torch.device("cpu")))
+    sender.open(Deadline(10))
+    receivers = []
+    try:
+        for worker, key in ((0, "wrong"), (1, "right")):
+            t = UnixTransport(name=transport.options["name"], authkey=key)
+            receivers.append(t.receiver(ReceiverContext(worker, LAYOUT, "policy", torch.device("cpu"))))
+            receivers[-1].open(Deadline(10))
+        with pytest.raises(TransportError, match="authentication failed"):
+            receivers[0].recv(Deadline(30))
+        events, deadline = [], Deadline(30)
+        while Joined(1) not in events and not deadline.expired():
+            events += sender.poll(Deadline(deadline.slice(0.5)))
+        assert events == [Joined(1)]
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
