@@ -25,6 +25,7 @@ from .layout import Layout
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .registry import TransportInfo, get_transport, list_transports
 from .report import SendReport
+from .stream import StreamReceiver, StreamSender
 from .scheme import SendHandle, WeightSyncScheme
 from .transport import (
     Acked,
@@ -83,4 +84,6 @@ __all__ = [
     "SenderBase",
     "ReceiverBase",
     "Buffer",
+    "StreamSender",
+    "StreamReceiver",
 ]
