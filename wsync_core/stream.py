@@ -36,6 +36,7 @@ import selectors
 import struct
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ _READ_BUDGET = 8 << 20
 _MAX_BACKLOG = 1 << 20
 #: connections that have not said hello yet, at most (the oldest is dropped beyond)
 _MAX_STRANGERS = 64
+#: bytes written to one peer before the I/O thread turns to the others
+_WRITE_BUDGET = 8 << 20
+#: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
+_live: weakref.WeakSet[_Loop] = weakref.WeakSet()
 
 
 class Kind:
@@ -220,11 +225,32 @@ class _Loop:
     def _begin(self, name: str) -> None:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
+        _live.add(self)
+
+    def _streams(self) -> list[Any]:
+        """Every stream and listener this endpoint holds open."""
+        return []
+
+    def _forget_in_child(self) -> None:
+        """In a child made by ``fork``: close this process's copies of the descriptors and touch
+        nothing else (no goodbye: the connections are the parent's)."""
+        self._state, self.cond, self.thread = "closed", threading.Condition(), None
+        for stream in self._streams():
+            try:
+                stream.close()
+            except OSError:
+                pass
+        if self.selector is not None:
+            self.selector.close()
+            self.selector = None
+            os.close(self.wake_r)
+            os.close(self.wake_w)
 
     def _teardown(self) -> None:
         """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made)."""
         if self.selector is None:
             return
+        _live.discard(self)
         self.wake()
         if self.thread is not None:
             self.thread.join(30.0)
@@ -275,10 +301,12 @@ class _Loop:
         return frames
 
     def _flush(self, conn: _Conn) -> None:
-        """Write what the stream takes now (raises OSError for a broken one)."""
+        """Write what the stream takes now, up to a budget (raises OSError for a broken one)."""
+        budget = _WRITE_BUDGET
         try:
-            while conn.out:
+            while conn.out and budget > 0:
                 n = self.write(conn.stream, conn.out[0])
+                budget -= n
                 conn.said = time.monotonic()
                 if n < len(conn.out[0]):
                     conn.out[0] = conn.out[0][n:]
@@ -362,6 +390,10 @@ class StreamSender(_Loop, SenderBase):
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+
+    def _streams(self) -> list[Any]:
+        conns = [c.stream for c in [*self.conns.values(), *self.strangers] if c.stream is not None]
+        return conns + ([self.listener] if self.listener is not None else [])
 
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         if self.failure is not None:
@@ -683,6 +715,9 @@ class StreamReceiver(_Loop, ReceiverBase):
                 self.put(Delivery(f.body, payload, self._releaser(payload), adoptable=self.adopt))
         return None
 
+    def _streams(self) -> list[Any]:
+        return [self.conn.stream] if self.conn is not None else []
+
     def _target(self, size: int) -> torch.Tensor | None:
         if size != self.ctx.layout.nbytes:
             return None
@@ -712,3 +747,11 @@ class StreamReceiver(_Loop, ReceiverBase):
             conn.stream.close()
         except OSError:
             pass
+
+
+def _after_fork_in_child() -> None:
+    for endpoint in list(_live):
+        endpoint._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

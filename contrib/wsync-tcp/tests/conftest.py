@@ -21,9 +21,10 @@ WORKER_SCRIPT = str(Path(__file__).with_name("tcp_worker.py"))
 class WorkerProcess:
     """tcp_worker.py in a child process (``prefix`` runs it elsewhere, e.g. in a network namespace)."""
 
-    def __init__(self, worker: int, options: dict, prefix: tuple[str, ...] = (), timeout: float = 30.0) -> None:
+    def __init__(self, worker: int, options: dict, prefix: tuple[str, ...] = (), timeout: float = 30.0,
+                 **config) -> None:
         self.worker = worker
-        config = {"worker": worker, "options": options, "timeout": timeout}
+        config = {"worker": worker, "options": options, "timeout": timeout, **config}
         self.proc = subprocess.Popen([*prefix, sys.executable, WORKER_SCRIPT, json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[dict] = queue.Queue()

@@ -231,3 +231,23 @@ def test_a_stopped_worker_is_noticed_by_the_heartbeat(sender, spawn) -> None:
         os.kill(workers[1].proc.pid, signal.SIGCONT)
     # it comes back by itself and gets the latest version
     assert workers[1].wait_version(1)["v"] == 1
+
+
+def test_a_killed_worker_is_left_at_once_even_if_a_forked_child_lives_on(sender, spawn) -> None:
+    """The child's copies of the connection are closed at fork, so the kernel ends the connection
+    with the worker: the sender reports it gone long before the (60 s) heartbeat."""
+    scheme, model = sender(1, heartbeat=60.0)
+    worker = spawn(0, scheme.transport.options, fork=True)
+    scheme.connect()
+    child = worker.next()["child"]
+    worker.wait_version(0)
+    try:
+        worker.proc.kill()
+        worker.proc.wait(30)
+        bump(model)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=120.0)
+        assert info.value.workers == [0] and time.monotonic() - t0 < 45
+    finally:
+        os.kill(child, signal.SIGKILL)
