@@ -17,6 +17,7 @@ from .errors import (
     StateError,
     TransportError,
     UnknownTransportError,
+    WorkerDiedError,
     WorkerTimeoutError,
     WsyncError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "StateError",
     "SchemaMismatchError",
     "WorkerTimeoutError",
+    "WorkerDiedError",
     "TransportError",
     "UnknownTransportError",
     # writing a transport

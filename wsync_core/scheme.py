@@ -12,6 +12,7 @@ only moves bytes (see ``wsync_core.transport``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -20,13 +21,20 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .deadline import Deadline
-from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
+from .errors import (
+    SchemaMismatchError,
+    StateError,
+    TransportError,
+    WorkerDiedError,
+    WorkerTimeoutError,
+    WsyncError,
+)
 from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, crc32
@@ -44,7 +52,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
 )
-from .weights import Weights, check_strategy, flatten, materialize, meta_keys
+from .weights import Weights, check_strategy, flatten, materialize, meta_keys, restore_extra_state
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
 
@@ -128,10 +136,13 @@ class WeightSyncScheme:
         self._endpoint: SenderEndpoint | ReceiverEndpoint | None = None  # opened by connect()
         self._unopened: SenderEndpoint | ReceiverEndpoint | None = None
         self._finalizer: weakref.finalize | None = None
+        self._closing = False  # shutdown() began: a receive() waiting in another thread ends
         self._source: Any = None
         self._layout: Layout | None = None
         self._model_id: str = self._config["model_id"] or "policy"
         self._listeners: list[Callable[[SendReport], None]] = []
+        self._apply_listeners: list[Callable[[int], None]] = []
+        self._guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         # sender side
         self._num_workers = 0
         self._latest: tuple[torch.Tensor, Header] | None = None
@@ -247,6 +258,19 @@ class WeightSyncScheme:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
         self._listeners.append(listener)
 
+    def add_apply_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(version)`` each time this receiver applied a version (the initial one
+        at connect included), from the thread that applied it, before its ack (a sync send()
+        returns after every worker's listeners ran); an error it raises comes out of the call
+        that applied, the ack is sent anyway. Not pickled."""
+        self._apply_listeners.append(listener)
+
+    def set_apply_guard(self, guard: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        """Receiver: enter ``guard()`` around every change to the model's tensors, so a version is
+        applied only at the worker's safe point (e.g. a lock its step loop holds while it uses
+        the model). Not pickled; default: no guard."""
+        self._guard = guard
+
     # -- sender ------------------------------------------------------------------------------
     def init_on_sender(
         self,
@@ -285,7 +309,8 @@ class WeightSyncScheme:
             self._unopened = endpoint
             self._state = _State.SENDER
 
-    def _connect_sender(self, deadline: Deadline) -> None:
+    def _connect_sender(self, deadline: Deadline,
+                        watch: Callable[[list[int]], Mapping[int, str]] | None = None) -> None:
         self._open(self._unopened, deadline)
         self._unopened = None
         self._state = _State.SENDER_CONNECTED
@@ -294,7 +319,24 @@ class WeightSyncScheme:
         self._service = threading.Thread(target=self._serve, args=(weakref.ref(self), self._stop_service),
                                          name="wsync-sender-service", daemon=True)
         self._service.start()
+        if watch is not None:
+            self._watch_connect(watch, deadline)
         self._finish(0, list(range(self._num_workers)), deadline)
+
+    def _watch_connect(self, watch: Callable[[list[int]], Mapping[int, str]], deadline: Deadline) -> None:
+        """Wait for version 0's acks in short slices, asking ``watch`` about the missing workers
+        between them; raise WorkerDiedError as soon as it names dead ones."""
+        targets = list(range(self._num_workers))
+        while True:
+            missing, rejected = self._outstanding(0, targets, Deadline(deadline.slice(0.1)))
+            missing = [w for w in missing if w not in rejected]
+            if not missing or deadline.expired():
+                return
+            dead = {w: why for w, why in watch(missing).items() if w in missing}
+            if dead:
+                detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
+                raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "
+                                      f"(updated: {[w for w in targets if w not in missing]}):\n{detail}", dead)
 
     @staticmethod
     def _serve(ref: weakref.ref, stop: threading.Event) -> None:
@@ -470,11 +512,15 @@ class WeightSyncScheme:
         Returns (targets still missing, rejections by worker).
         """
         while True:
-            rejected = {w: a for w in targets if (a := self._rejected.get(w)) and a.version >= version}
+            # a rejection of v fails the sends up to v that the worker has not applied: it only
+            # ever gets the newest version, so it will not apply those any more
+            rejected = {w: a for w in targets
+                        if self._acked[w] < version and (a := self._rejected.get(w)) and a.version >= version}
             missing = [w for w in targets if self._acked[w] < version and w not in rejected]
             alive = [w for w in missing if w not in self._left]
             if not alive or deadline.expired():
                 return missing, rejected
+            self._check_closing(f"waiting for version {version}")
             self._pump(deadline)
 
     def _finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
@@ -489,7 +535,8 @@ class WeightSyncScheme:
             w, ack = min(rejected.items())
             cls = _ERROR_TYPES.get(ack.error_type or "", TransportError)
             others = f" (also failed: {sorted(set(rejected) - {w})})" if len(rejected) > 1 else ""
-            raise cls(f"worker {w} rejected version {version}: {ack.error}{others}")
+            which = f"version {version}" if ack.version == version else f"version {ack.version} (before applying {version})"
+            raise cls(f"worker {w} rejected {which}: {ack.error}{others}")
         if missing:
             gone = [w for w in missing if w in self._left]
             detail = f"; workers {gone} disconnected" if gone else ""
@@ -528,6 +575,7 @@ class WeightSyncScheme:
         while True:
             if self._receive(deadline) is not None:
                 break
+            self._check_closing("connect()")
             if deadline.expired():
                 raise WorkerTimeoutError(
                     f"worker {self._worker_idx} got no weights from the sender within {deadline.timeout:g} s; "
@@ -539,11 +587,66 @@ class WeightSyncScheme:
 
         Returns the version applied, or None if nothing new came. A damaged or mismatched
         payload raises TransportError or SchemaMismatchError and leaves the model untouched.
+        If ``shutdown()`` is called from another thread meanwhile, the wait ends at once and
+        this raises StateError (like any call on a scheme that was shut down).
         """
         self._adopt_fork()
         with self._lock:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
-            return self._receive(Deadline(timeout))
+            version = self._receive(Deadline(timeout))
+            if version is None:
+                self._check_closing("receive()")
+            return version
+
+    def _check_closing(self, what: str) -> None:
+        """Raise StateError if ``shutdown()`` began in another thread while ``what`` waited."""
+        if self._closing:
+            raise StateError(f"{what} was interrupted: shutdown() was called from another thread; "
+                             f"build a new WeightSyncScheme")
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until this receiver holds ``version`` or a newer one, applying versions as they
+        arrive; returns the version held (another thread's receive() counts too).
+
+        Raises WorkerTimeoutError (naming this worker) if it does not by the timeout (the
+        scheme's by default), or what receive() raises for a bad payload.
+        """
+        self._adopt_fork()
+        deadline = self._deadline(timeout)
+        while True:
+            with self._lock:
+                self._expect(_State.RECEIVER_CONNECTED, "wait_for_version")
+                if self._version >= version:
+                    return self._version
+                self._receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
+                if self._version >= version:
+                    return self._version
+            if deadline.expired():
+                raise WorkerTimeoutError(
+                    f"worker {self._worker_idx} holds version {self._version}, not {version}, after "
+                    f"{deadline.timeout:g} s", [self._worker_idx])
+
+    def rebind(self, model: Weights) -> None:
+        """Receiver: apply future versions to ``model`` (same layout) instead of the model given
+        to init_on_receiver(), e.g. a copy moved to another device; once connected, the version
+        held is copied into it first. Raises SchemaMismatchError if its layout differs."""
+        self._adopt_fork()
+        with self._lock:
+            if self._state not in (_State.RECEIVER, _State.RECEIVER_CONNECTED):
+                self._expect(_State.RECEIVER, "rebind")
+            targets = flatten(model, self.strategy, detach=False)
+            self._layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model given to rebind()",
+                                    context=f"worker {self._worker_idx}")
+            if model is self._source:
+                return
+            with self._guard():
+                if self._state is _State.RECEIVER_CONNECTED:
+                    held = flatten(self._source, self.strategy)
+                    with torch.no_grad():
+                        for key, t in targets.items():
+                            if t.data_ptr() != held[key].data_ptr():
+                                t.copy_(held[key])
+                self._source = model
 
     def _receive(self, deadline: Deadline) -> int | None:
         endpoint: ReceiverEndpoint = self._endpoint  # type: ignore[assignment]
@@ -578,18 +681,23 @@ class WeightSyncScheme:
                 endpoint.ack(Ack(self._worker_idx, self._version).encode())
             return None
         delivery, header = best
-        try:
-            self._apply(delivery, header)
-        except (SchemaMismatchError, TransportError) as exc:
-            _release(delivery)
-            self._reject(header.version, exc)
-            raise
-        finally:
-            _release(delivery)  # a no-op for memory the model now views: its lease gives it back
+        with self._guard():  # the worker's safe point: its model is not in use in here
+            try:
+                self._apply(delivery, header)
+            except (SchemaMismatchError, TransportError) as exc:
+                _release(delivery)
+                self._reject(header.version, exc)
+                raise
+            finally:
+                _release(delivery)  # a no-op for memory the model now views: its lease gives it back
         self._version = header.version
         del delivery, best
         self._leases.drain()  # before the ack: the sender may reuse what the model stopped viewing
-        endpoint.ack(Ack(self._worker_idx, header.version).encode())
+        try:
+            for listener in self._apply_listeners:  # before the ack: a sync send() returns after them
+                listener(header.version)
+        finally:
+            endpoint.ack(Ack(self._worker_idx, header.version).encode())
         return header.version
 
     def _reject(self, version: int, exc: WsyncError) -> None:
@@ -634,13 +742,20 @@ class WeightSyncScheme:
             self._adopted.add(layout.adopt(payload, targets))
         else:
             layout.unpack(payload, targets)
+        restore_extra_state(self._source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
 
     # -- both --------------------------------------------------------------------------------
-    def connect(self, timeout: float | None = None) -> None:
+    def connect(self, timeout: float | None = None, *,
+                watch: Callable[[list[int]], Mapping[int, str]] | None = None) -> None:
         """Sender: publish version 0 and wait until every worker holds it. Receiver: wait for
         the current version and apply it.
+
+        ``watch`` (sender only) is called every 0.1 s with the workers that have not applied
+        version 0 yet, and returns ``{worker: why}`` for those known to be dead (e.g. their
+        process exited, with its error); connect then raises WorkerDiedError at once, naming
+        them and quoting ``why``, instead of waiting out the timeout.
 
         Raises WorkerTimeoutError on expiry (a sender stays connected and usable for the
         workers that answered), SchemaMismatchError if the two sides' weights differ.
@@ -648,16 +763,26 @@ class WeightSyncScheme:
         self._adopt_fork()
         with self._lock:
             deadline = self._deadline(timeout)
+            if watch is not None and self._state is not _State.SENDER:
+                raise ValueError("connect(watch=...) is for a sender; receivers have no workers to watch")
             if self._state is _State.SENDER:
-                self._connect_sender(deadline)
+                self._connect_sender(deadline, watch)
             elif self._state is _State.RECEIVER:
                 self._connect_receiver(deadline)
             else:
                 self._expect(_State.RECEIVER if self._worker_idx is not None else _State.SENDER, "connect")
 
     def shutdown(self) -> None:
-        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards."""
+        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards.
+
+        Safe to call from another thread: a ``receive()`` or receiver ``connect()`` waiting there
+        ends at once with StateError, then the resources are freed.
+        """
         self._adopt_fork()
+        self._closing = True
+        endpoint = self._endpoint
+        if endpoint is not None:  # before taking the lock, which a waiting receive() holds
+            endpoint.wake()
         self._stop_service.set()
         if self._service is not None and self._service is not threading.current_thread():
             self._service.join()

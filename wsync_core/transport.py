@@ -19,7 +19,8 @@ Rules every transport keeps (the conformance suite checks them):
 2. ``publish`` hands the buffer to exactly the listed workers and returns without waiting for
    them to apply it; it may re-publish the latest buffer to a worker that (re)joins.
 3. A receiver only needs the newest delivery: a transport may drop older undelivered ones.
-4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline.
+4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline; ``recv`` (and ``poll``)
+   return at once after ``wake``, called from another thread when the scheme shuts down.
 5. Nothing received from another process is unpickled; ``close`` frees every resource.
 
 The whole interface, with what each call returns and may raise, the threading rules and the
@@ -190,6 +191,11 @@ class SenderEndpoint(ABC):
     def poll(self, deadline: Deadline) -> list[Event]:
         """Events since the last call; waits for at least one until the deadline, then returns []."""
 
+    def wake(self) -> None:
+        """Make a ``poll`` waiting in another thread, and every later one, return at once: the
+        scheme is shutting down. Called from any thread, before ``close``. The default does
+        nothing (``poll`` then returns by its deadline)."""
+
     def close(self) -> None:
         """Free everything; idempotent."""
 
@@ -207,6 +213,12 @@ class ReceiverEndpoint(ABC):
     @abstractmethod
     def ack(self, data: bytes) -> None:
         """Send ``data`` to the sender (it sees ``Acked(worker_idx, data)``)."""
+
+    def wake(self) -> None:
+        """Make a ``recv`` waiting in another thread, and every later one, return None at once:
+        the scheme is shutting down. Called from any thread, before ``close``. A transport whose
+        ``recv`` blocks must implement it (a flag and a notify, or an eventfd its wait also
+        watches): ``shutdown()`` from another thread must not wait for the deadline."""
 
     def close(self) -> None:
         """Free everything; idempotent."""

@@ -40,6 +40,7 @@ from .guarantees import guarantee, violated
 from .holding import HoldingChecks
 from .models import KINDS, ModelSpec, TensorSpec, build, digests, fill, fill_version, random_values, rich_spec, version_spec
 from .portable import MAX_PICKLE_BYTES, inspect_pickle
+from .scenes import SceneChecks
 from .stateful import run_lifecycle_machine
 from .strategies import model_specs, seeds, value_styles
 from .target import Target
@@ -57,7 +58,7 @@ def _option(request: pytest.FixtureRequest, name: str) -> Any:
         return None
 
 
-class TransportSuite(HoldingChecks):
+class TransportSuite(HoldingChecks, SceneChecks):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""
 
     #: entry-point name, ``"module:attr"``, Transport class, Transport object or factory(**options)
