@@ -139,3 +139,18 @@ def test_mailbox_keeps_the_newest_and_releases_the_older() -> None:
     with pytest.raises(TransportError, match="the sender is gone"):
         r.recv(Deadline(0))
     r.close()
+
+
+def test_wake_ends_a_wait_in_another_thread_and_every_later_one() -> None:
+    r, s = Receiver(), Sender()
+    r.open(Deadline(1))
+    s.open(Deadline(1))
+    for endpoint in (r, s):
+        threading.Timer(0.05, endpoint.wake).start()
+    t0 = time.monotonic()
+    assert r.recv(Deadline(math.inf)) is None
+    assert s.poll(Deadline(math.inf)) == []
+    assert r.recv(Deadline(math.inf)) is None and s.poll(Deadline(math.inf)) == []
+    assert time.monotonic() - t0 < 20
+    r.close()
+    s.close()

@@ -43,6 +43,7 @@ class EndpointBase:
         self.what = what
         self.cond = threading.Condition()
         self._state = "new"  # new -> open -> closed (-> open again: the core may retry connect())
+        self._woken = False  # wake() was called: waits end at once
 
     @property
     def is_open(self) -> bool:
@@ -58,7 +59,7 @@ class EndpointBase:
         with self.cond:
             if self._state == "open":
                 raise TransportError(f"{self.what} is already open")
-            self._state = "open"
+            self._state, self._woken = "open", False
         try:
             self.start(deadline)
         except BaseException:
@@ -75,6 +76,13 @@ class EndpointBase:
             self.cond.notify_all()
         self.stop()
 
+    def wake(self) -> None:
+        """End a wait in another thread (``poll``, ``recv``, ``acquire``) and every later one at once:
+        the scheme is shutting down. Callable from any thread; never raises."""
+        with self.cond:
+            self._woken = True
+            self.cond.notify_all()
+
     def start(self, deadline: Deadline) -> None:
         """Take resources (bind, connect, start threads); raise TransportError or WorkerTimeoutError."""
 
@@ -82,11 +90,11 @@ class EndpointBase:
         """Free every resource ``start`` took (called once, after the endpoint is marked closed); must not raise."""
 
     def wait_until(self, ready: Callable[[], bool], deadline: Deadline) -> bool:
-        """With ``self.cond`` held: wait until ``ready()``, the deadline or ``close``; returns ``ready()``.
-
-        Looks once even when the deadline has passed; never hands ``math.inf`` to a blocking call.
+        """With ``self.cond`` held: wait until ``ready()``, the deadline, ``wake`` or ``close``; returns
+        ``ready()``. Looks once even when the deadline has passed; never hands ``math.inf`` to a
+        blocking call.
         """
-        while not ready() and self._state == "open" and not deadline.expired():
+        while not ready() and self._state == "open" and not self._woken and not deadline.expired():
             self.cond.wait(deadline.slice(_SLICE_S))
         return ready()
 

@@ -251,7 +251,7 @@ class _Loop:
         if self.selector is None:
             return
         _live.discard(self)
-        self.wake()
+        self._kick()
         if self.thread is not None:
             self.thread.join(30.0)
         self.thread = None
@@ -260,7 +260,7 @@ class _Loop:
         os.close(self.wake_r)
         os.close(self.wake_w)
 
-    def wake(self) -> None:
+    def _kick(self) -> None:
         """Make the I/O thread look at its queues now."""
         try:
             os.write(self.wake_w, b"x")
@@ -406,7 +406,7 @@ class StreamSender(_Loop, SenderBase):
                 self.let_go(conn.pending[0], w)  # newest wins
             conn.pending = (buffer, header)
             self.hold(buffer, w)
-        self.wake()
+        self._kick()
 
     # -- the I/O thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -616,7 +616,7 @@ class StreamReceiver(_Loop, ReceiverBase):
             if sum(len(v) for v in conn.out) > _MAX_BACKLOG:
                 raise TransportError(f"{self.what}: the sender has not read {_MAX_BACKLOG} bytes of acks")
             conn.push(frame(Kind.ACK, bytes(data)))
-        self.wake()
+        self._kick()
 
     # -- the I/O thread -----------------------------------------------------------------------------
     def _run(self) -> None:
