@@ -3,10 +3,17 @@ checked before a byte of it is allocated (wsync-tcp and wsync-unix test the rest
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+from wsync_core import (Capabilities, ReceiverContext, SenderContext, StreamReceiver, StreamSender, Transport,
+                        WeightSyncScheme)
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.stream import Kind, Violation, _Reader, frame
 
@@ -89,3 +96,111 @@ def test_sizes_over_the_limits_are_refused_from_the_prefix_alone() -> None:
     except Violation:
         return
     raise AssertionError("an ack out of turn was accepted")
+
+
+class _Pipe:
+    """A stream that is not a socket object: a descriptor read and written with os.read/os.write."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def send(self, data: memoryview) -> int:
+        return os.write(self.fd, data)
+
+    def recv_into(self, view: memoryview) -> int:
+        chunk = os.read(self.fd, len(view))
+        view[:len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Listener:
+    """Hands out one end of a new socketpair per connect() as a _Pipe, woken through an eventfd."""
+
+    def __init__(self) -> None:
+        self.waiting: list[int] = []
+        self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self.bell
+
+    def accept(self):
+        os.eventfd_read(self.bell)
+        return _Pipe(self.waiting.pop(0)), None
+
+    def close(self) -> None:
+        os.close(self.bell)
+
+    def connect(self) -> _Pipe:
+        ours, theirs = socket.socketpair()
+        self.waiting.append(theirs.detach())
+        os.eventfd_write(self.bell, 1)
+        return _Pipe(ours.detach())
+
+
+_listeners: dict[str, _Listener] = {}
+
+
+class PipeTransport(Transport):
+    """The byte-stream base over descriptors the base knows nothing about (no socket objects)."""
+
+    name = "pipes"
+    interface = 1
+    capabilities = Capabilities(processes=False)
+
+    def __init__(self, *, channel: str = "pipes") -> None:
+        super().__init__(channel=channel)
+
+    def sender(self, ctx: SenderContext) -> StreamSender:
+        channel = self.options["channel"]
+
+        class Sender(StreamSender):
+            def listen(self) -> _Listener:
+                _listeners[channel] = _Listener()
+                return _listeners[channel]
+
+        return Sender("pipes sender", ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> StreamReceiver:
+        channel = self.options["channel"]
+
+        class Receiver(StreamReceiver):
+            def connect(self, timeout: float) -> _Pipe:
+                if channel not in _listeners:
+                    raise ConnectionRefusedError("no sender yet")
+                return _listeners[channel].connect()
+
+        return Receiver(f"pipes worker {ctx.worker_idx}", ctx)
+
+
+def test_a_stream_that_is_not_a_socket() -> None:
+    sender = WeightSyncScheme(PipeTransport(), timeout=30.0)
+    model, theirs = nn.Linear(4, 3), nn.Linear(4, 3)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver = WeightSyncScheme(PipeTransport(), timeout=30.0)
+    receiver.init_on_receiver(model=theirs, worker_idx=0)
+    done = threading.Event()
+
+    def work() -> None:
+        receiver.connect()
+        while not done.is_set():
+            receiver.receive(timeout=0.05)
+        receiver.shutdown()
+
+    t = threading.Thread(target=work)
+    t.start()
+    try:
+        sender.connect()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert sender.send() == 1
+        assert torch.equal(model.weight, theirs.weight)
+    finally:
+        done.set()
+        t.join(30)
+        sender.shutdown()

@@ -564,7 +564,7 @@ def _nonblocking(stream: Stream | Listener) -> None:
     if setblocking is not None:
         setblocking(False)
     else:
-        _nonblocking(stream)
+        os.set_blocking(stream.fileno(), False)
 
 
 def _who(conn: _Conn) -> str:
