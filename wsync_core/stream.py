@@ -300,8 +300,9 @@ class _Loop:
             # next read meets the end again
         return frames
 
-    def _flush(self, conn: _Conn) -> None:
-        """Write what the stream takes now, up to a budget (raises OSError for a broken one)."""
+    def _flush(self, conn: _Conn, watch: bool = True) -> None:
+        """Write what the stream takes now, up to a budget (raises OSError for a broken one); with
+        ``watch`` (only in the I/O thread, which owns the selector) watch for room for the rest."""
         budget = _WRITE_BUDGET
         try:
             while conn.out and budget > 0:
@@ -316,7 +317,8 @@ class _Loop:
                     self._written(conn)
         except (BlockingIOError, InterruptedError):
             pass
-        self._watch(conn)
+        if watch:
+            self._watch(conn)
 
     def _written(self, conn: _Conn) -> None:
         """Everything queued for ``conn`` is written."""
@@ -406,7 +408,12 @@ class StreamSender(_Loop, SenderBase):
                 self.let_go(conn.pending[0], w)  # newest wins
             conn.pending = (buffer, header)
             self.hold(buffer, w)
-        self._kick()
+            if conn.writing is None and not conn.out:  # idle: start here, saving a thread switch
+                try:
+                    self._queue(conn, watch=False)
+                except OSError:  # the I/O thread meets the same error and drops the connection
+                    pass
+        self._kick()  # the I/O thread writes the rest
 
     # -- the I/O thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -426,8 +433,12 @@ class StreamSender(_Loop, SenderBase):
                     now = time.monotonic()
                     for conn in [*self.conns.values(), *self.strangers]:
                         self._guard(conn, lambda c=conn: self._idle(c, now))
-                        if conn.pending is not None and conn.writing is None and conn.stream is not None:
+                        if conn.stream is None:
+                            continue
+                        if conn.pending is not None and conn.writing is None:
                             self._guard(conn, lambda c=conn: self._queue(c))
+                        elif conn.out:  # e.g. what publish began: write on, and watch for room
+                            self._guard(conn, lambda c=conn: self._flush(c))
         except Exception as exc:  # noqa: BLE001 - the loop must not die silently: fail every worker
             log.exception("%s: the I/O thread failed", self.what)
             with self.cond:
@@ -515,7 +526,7 @@ class StreamSender(_Loop, SenderBase):
             pass
         self._drop(conn, reason)
 
-    def _queue(self, conn: _Conn) -> None:
+    def _queue(self, conn: _Conn, watch: bool = True) -> None:
         """Queue the pending delivery once the previous one is written."""
         buffer, header = conn.pending
         conn.pending, conn.writing = None, buffer
@@ -523,7 +534,7 @@ class StreamSender(_Loop, SenderBase):
         conn.push(frame(Kind.DELIVER, header, len(header), size))
         if size:
             conn.out.append(memoryview(buffer.tensor.numpy()).cast("B"))
-        self._flush(conn)
+        self._flush(conn, watch)
 
     def _written(self, conn: _Conn) -> None:
         if conn.writing is not None:
