@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 __all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy", "meta_keys", "materialize",
-           "restore_extra_state", "EXTRA_STATE"]
+           "restore_extra_state", "EXTRA_STATE", "device_of"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
 EXTRA_STATE = "_extra_state"
@@ -160,6 +160,13 @@ def restore_extra_state(weights: Any, targets: Mapping[str, torch.Tensor]) -> No
             value = targets[f"{base}.{key}"]
             state[key] = value.clone() if isinstance(old, torch.Tensor) else type(old)(value.item())
         module.set_extra_state(state)
+
+
+def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device of the first tensor (the CPU for none)."""
+    for t in tensors.values():
+        return t.device
+    return torch.device("cpu")
 
 
 def meta_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -192,7 +192,7 @@ def serve(conn, process: bool) -> None:
             elif cmd == "shutdown_while_receiving":
                 reply = _shutdown_while_receiving(session, msg)
             elif cmd == "raw_ack":  # a broken or hostile worker: any bytes, sent as its ack
-                session.scheme._endpoint.ack(base64.b64decode(msg["data"]))
+                session.scheme._role.endpoint.ack(base64.b64decode(msg["data"]))
                 reply = {"sent": True}
             elif cmd == "reshape":
                 reply = _reshape(session, msg["key"])

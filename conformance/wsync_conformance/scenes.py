@@ -11,7 +11,7 @@ import time
 import warnings
 from typing import Any
 
-from wsync_core import WeightSyncScheme
+from wsync_core import TransportError, WeightSyncScheme
 
 from . import resources
 from .context import Context, RawSender, Session
@@ -164,7 +164,8 @@ class SceneChecks:
     @guarantee("safe")
     def test_safe_hostile_json_in_acks(self, wsync: Context) -> None:
         """A worker whose acks hold a 5000-digit integer, deeply nested arrays or other hostile
-        JSON never stops the sender: it keeps serving every worker, and the next send completes."""
+        JSON never stops the sender: it keeps serving every worker, and later sends complete (a
+        malformed ack that arrives late may fail the send in flight then, as TransportError)."""
         s = wsync.session(version_spec(), n=2)
         fill_version(s.model, 1)
         s.check(s.send())
@@ -176,10 +177,14 @@ class SceneChecks:
             reply.raise_for_error("sending a raw ack")
             time.sleep(0.05)  # one at a time: each reaches the sender on its own
         time.sleep(0.5)
-        for v in (2, 3):
+        for v in (2, 3, 4):
             fill_version(s.model, v)
             try:
                 got = s.send()
+            except TransportError as exc:
+                if "malformed ack" in str(exc) and v < 4:  # one that arrived late counts against this version
+                    continue
+                raise violated("safe", f"after hostile acks from worker 1, send() raised TransportError: {exc}") from exc
             except Exception as exc:
                 raise violated("safe", f"after hostile acks from worker 1, send() raised {type(exc).__name__}: "
                                        f"{exc}") from exc

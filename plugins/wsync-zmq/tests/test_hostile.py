@@ -249,7 +249,7 @@ def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
             time.sleep(0.05)
         assert caplog.text.count("sent a malformed ack") == 2, caplog.text[-2000:]
         assert "hello is" in caplog.text or "nests arrays" in caplog.text
-        assert scheme._service is not None and scheme._service.is_alive()
+        assert scheme._role._service is not None and scheme._role._service.is_alive()
         for v in (1, 2):
             with torch.no_grad():
                 model[0].weight.add_(1.0)
