@@ -50,7 +50,7 @@ from .errors import TransportError
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .transport import Acked, Delivery, Joined, Left, ReceiverContext, SenderContext, zero_copy_for
 
-__all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind"]
+__all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
 
 log = logging.getLogger("wsync.stream")
 
@@ -65,6 +65,8 @@ _READ_BUDGET = 8 << 20
 _MAX_BACKLOG = 1 << 20
 #: connections that have not said hello yet, at most (the oldest is dropped beyond)
 _MAX_STRANGERS = 64
+#: events waiting for poll() at most: a worker that acks past this (one ack per delivery is expected) is dropped
+_MAX_EVENTS = 65536
 #: bytes written to one peer before the I/O thread turns to the others
 _WRITE_BUDGET = 8 << 20
 #: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
@@ -501,6 +503,8 @@ class StreamSender(_Loop, SenderBase):
         elif f.kind == Kind.HELLO:
             self._hello(conn, f.a, f.b)
         elif f.kind == Kind.ACK:
+            if len(self._events) >= _MAX_EVENTS:
+                raise Violation(f"{_MAX_EVENTS} events are waiting for poll(); one ack per delivery is expected")
             self.emit(Acked(conn.worker, f.body))
         elif f.kind == Kind.BYE:
             self._drop(conn, "receiver shut down")

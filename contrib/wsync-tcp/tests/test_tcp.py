@@ -17,7 +17,7 @@ from wsync_core.protocol import MAX_ACK_BYTES
 from wsync_core.stream import PREFIX, Kind
 from wsync_tcp import TcpTransport
 
-from tcp_worker import digest, make_model
+from tcp_worker import make_model
 
 LAYOUT = Layout.of({"w": torch.zeros(16)})
 
