@@ -182,6 +182,7 @@ class SenderBase(EndpointBase, SenderEndpoint):
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
         """Find ``buffer`` by identity and ``deliver`` it; raises TransportError for a buffer this
         pool did not hand out, a header over MAX_HEADER_BYTES, or a closed endpoint."""
+        self.check_open()
         found = next((b for b in self.buffers if b.tensor is buffer), None)
         if found is None:
             raise TransportError(f"{self.what}: publish() got a buffer that acquire() did not return")

@@ -38,3 +38,18 @@ def test_a_wrong_key_is_refused_and_the_right_one_joins() -> None:
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_a_worker_index_out_of_range_is_refused_with_the_reason() -> None:
+    transport = UnixTransport()
+    sender = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
+    sender.open(Deadline(10))
+    receiver = transport.receiver(ReceiverContext(5, LAYOUT, "policy", torch.device("cpu")))
+    receiver.open(Deadline(10))
+    try:
+        with pytest.raises(TransportError, match=r"refused this worker: worker index 5 is out of range \[0, 1\)"):
+            receiver.recv(Deadline(30))
+        assert sender.poll(Deadline(0)) == []
+    finally:
+        receiver.close()
+        sender.close()
