@@ -205,7 +205,7 @@ class _Conn:
         self.out: deque[memoryview] = deque()
         self.writing: Buffer | None = None  # the buffer whose payload ``out`` holds
         self.pending: tuple[Buffer, bytes] | None = None  # the newest delivery not yet queued
-        self.seen = self.said = time.monotonic()
+        self.born = self.seen = self.said = time.monotonic()
 
     def push(self, data: bytes) -> None:
         self.out.append(memoryview(data))
@@ -522,12 +522,13 @@ class StreamSender(_Loop, SenderBase):
         self.conns[worker] = conn
         self.emit(Joined(worker))
 
+    def _idle(self, conn: _Conn, now: float) -> str | None:
+        if conn.worker is None and now - conn.born > self.heartbeat:  # pings do not count
+            return f"no hello within {self.heartbeat:g} s of connecting"
+        return super()._idle(conn, now)
+
     def _refuse(self, conn: _Conn, reason: str) -> None:
         log.warning("%s refused %s: %s", self.what, _who(conn), reason)
-        try:
-            self.write(conn.stream, memoryview(frame(Kind.BYE, reason.encode()[:MAX_REASON_BYTES])))
-        except OSError:
-            pass
         self._drop(conn, reason)
 
     def _queue(self, conn: _Conn, watch: bool = True) -> None:
@@ -548,8 +549,13 @@ class StreamSender(_Loop, SenderBase):
     def _drop(self, conn: _Conn, reason: str) -> None:
         if conn.stream is None:
             return
-        if conn in self.strangers:
+        if conn in self.strangers:  # tell a peer that never joined why (best effort)
             self.strangers.remove(conn)
+            if not conn.out:
+                try:
+                    self.write(conn.stream, memoryview(frame(Kind.BYE, reason.encode()[:MAX_REASON_BYTES])))
+                except OSError:
+                    pass
         if conn.worker is not None and self.conns.get(conn.worker) is conn:
             del self.conns[conn.worker]
             self.emit(Left(conn.worker, reason))
@@ -662,7 +668,7 @@ class StreamReceiver(_Loop, ReceiverBase):
             if self.authkey is None:
                 self._live(conn)
             else:
-                conn.reader.accept = frozenset({Kind.CHALLENGE})
+                conn.reader.accept = frozenset({Kind.CHALLENGE, Kind.BYE})
             self.selector.register(stream, selectors.EVENT_READ, conn)
         try:
             while self.is_open:
@@ -705,11 +711,15 @@ class StreamReceiver(_Loop, ReceiverBase):
         return None
 
     def _live(self, conn: _Conn) -> None:
-        conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE})
+        conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE})
         conn.push(frame(Kind.HELLO, a=self.ctx.worker_idx, b=self.ctx.layout.nbytes))
 
     def _frame(self, conn: _Conn, f: Frame) -> str | None:
+        if f.kind == Kind.CHALLENGE and self.authkey is None:
+            return "the sender requires authentication: give this worker the sender's authkey"
         if f.kind == Kind.CHALLENGE:
+            if conn.stage != "auth":
+                raise Violation("a second challenge")
             conn.push(frame(Kind.RESPONSE, _mac(self.authkey, b"receiver", f.body) + conn.nonce))
             conn.stage, conn.reader.accept = "proof", frozenset({Kind.PROOF, Kind.BYE})
         elif f.kind == Kind.PROOF:
@@ -717,8 +727,9 @@ class StreamReceiver(_Loop, ReceiverBase):
                 return "the sender failed authentication (wrong authkey?)"
             self._live(conn)
         elif f.kind == Kind.BYE:
+            hint = " (does this worker have an authkey and the sender none?)" if conn.stage == "auth" else ""
             if f.body:
-                return f"the sender refused this worker: {f.body.decode('utf-8', 'replace')}"
+                return f"the sender refused this worker: {f.body.decode('utf-8', 'replace')}{hint}"
             raise EOFError("the sender shut down")
         elif f.kind == Kind.DELIVER:
             payload = f.payload

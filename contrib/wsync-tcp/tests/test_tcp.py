@@ -128,6 +128,18 @@ def test_sender_survives_hostile_peers_and_keeps_serving(sender, spawn) -> None:
         peer.close()
     assert closed_by_peer(mute), "the sender kept a peer that never spoke past its heartbeat"
     mute.close()
+    with socket.create_connection(address) as pinger:  # pings, but never says hello
+        pinger.settimeout(0.3)
+        end, closed = time.monotonic() + 30, False
+        while not closed and time.monotonic() < end:
+            try:
+                pinger.sendall(prefix(Kind.PING))
+                closed = pinger.recv(65536) == b""
+            except TimeoutError:
+                pass
+            except OSError:  # reset, broken pipe: closed by the sender
+                closed = True
+        assert closed, "the sender kept a peer that only pinged"
     for v in (1, 2):
         bump(model)
         assert scheme.send() == v

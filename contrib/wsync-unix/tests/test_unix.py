@@ -53,3 +53,24 @@ def test_a_worker_index_out_of_range_is_refused_with_the_reason() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+@pytest.mark.parametrize("sender_key, worker_key, message", [
+    ("key", None, "the sender requires authentication"),
+    (None, "key", "does this worker have an authkey and the sender none"),
+])
+def test_a_key_on_one_side_only_is_named(sender_key, worker_key, message) -> None:
+    name = f"test-one-key-{id(object())}"
+    sender = UnixTransport(name=name, authkey=sender_key, heartbeat=1.0).sender(
+        SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
+    sender.open(Deadline(10))
+    receiver = UnixTransport(name=name, authkey=worker_key, heartbeat=1.0).receiver(
+        ReceiverContext(0, LAYOUT, "policy", torch.device("cpu")))
+    receiver.open(Deadline(10))
+    try:
+        with pytest.raises(TransportError, match=message):
+            receiver.recv(Deadline(30))
+        assert sender.poll(Deadline(0)) == []
+    finally:
+        receiver.close()
+        sender.close()
