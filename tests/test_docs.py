@@ -72,7 +72,7 @@ def _table_rows() -> list[tuple[str, set[str]]]:
 
 def test_readme_lists_every_transport_of_the_project() -> None:
     names = {name for name, _ in _table_rows()}
-    assert names == {"inproc", "shm", "mp", "zmq", "distributed", "rpc", "files", "tcp", "unix"}, names
+    assert names == {"inproc", "shm", "mp", "zmq", "distributed", "rpc", "files", "tcp", "unix", "ray"}, names
 
 
 @pytest.mark.parametrize(("name", "listed"), _table_rows(), ids=[name for name, _ in _table_rows()])

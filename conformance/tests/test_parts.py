@@ -71,3 +71,29 @@ def test_inspect_pickle_finds_forbidden_objects() -> None:
     assert "torch.Tensor" in inspect_pickle({"t": torch.zeros(2)})["forbidden"]
     assert inspect_pickle(threading.Lock())["pickle_error"]
     assert pickle.loads(pickle.dumps(WeightSyncScheme("inproc"))).version == -1
+
+
+def test_trusted_runtime_allows_only_its_own_modules() -> None:
+    from wsync_conformance.report import format_table
+    from wsync_conformance.trust import trusted_runtime, untrusted_unpickling
+
+    class Plain:
+        pass
+
+    class OnRay:
+        trusted_runtime = ("ray", "Ray carries its own references")
+
+    class Broken:
+        trusted_runtime = ("ray",)
+
+    assert trusted_runtime(Plain) is None
+    assert trusted_runtime(OnRay) == ("ray", "Ray carries its own references")
+    with pytest.raises(TypeError):
+        trusted_runtime(Broken)
+    events = [["ray._private.serialization", "_object_ref_deserializer"], ["ray", "ObjectRef"],
+              ["rayx", "Evil"], ["builtins", "eval"]]
+    assert untrusted_unpickling(events, None) == events
+    assert untrusted_unpickling(events, trusted_runtime(OnRay)) == [["rayx", "Evil"], ["builtins", "eval"]]
+    table = format_table({}, "header", ["processes"], trusted_runtime(OnRay))
+    assert table.splitlines()[-1] == "trusted runtime: ray (Ray carries its own references)"
+    assert "trusted runtime" not in format_table({}, "header", ["processes"])

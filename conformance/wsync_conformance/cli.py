@@ -34,11 +34,13 @@ def main(args: argparse.Namespace) -> int:
 
     from .report import Collector, format_table
     from .target import Target, parse_options
+    from .trust import trusted_runtime
 
     try:
         target = Target(args.name, parse_options(getattr(args, "option", None) or []))
         target.make()  # options the transport rejects are a usage error, not 28 failures
         declared = target.capabilities.declared()
+        trusted = trusted_runtime(target.cls)
         label = f"transport {target.name!r} ({target.cls.__module__}.{target.cls.__qualname__})"
     except Exception as exc:  # unknown transport, bad option: say so instead of a traceback
         print(f"wsync conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -49,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     profile = getattr(args, "profile", None) or "ci"
     header = f"wsync conformance: {label}, device {getattr(args, 'device', None) or 'cpu'}, profile {profile}"
     print()
-    print(format_table(results, header, declared))
+    print(format_table(results, header, declared, trusted))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             f.write(collector.to_json())

@@ -77,8 +77,10 @@ class Collector:
         return json.dumps(self.by_guarantee(), indent=2)
 
 
-def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str]) -> str:
-    """The table ``wsync conformance`` prints: one row per guarantee, then the capabilities."""
+def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str],
+                 trusted: tuple[str, str] | None = None) -> str:
+    """The table ``wsync conformance`` prints: one row per guarantee, then the capabilities and
+    the runtime the transport trusts (``trusted``: module and reason), if any."""
     lines = [header, "", f"{'guarantee':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
     for g, r in results.items():
         if r["status"] == "failed":
@@ -95,4 +97,6 @@ def format_table(results: dict[str, dict[str, Any]], header: str, declared: list
     lines += ["", "capabilities declared: " + (", ".join(declared) or "none"),
               "not declared (their tests skip): " + (", ".join(c for c in CAPABILITY_NAMES if c not in declared)
                                                      or "none")]
+    if trusted is not None:
+        lines.append(f"trusted runtime: {trusted[0]} ({trusted[1]})")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from .context import Context, Session, classify
 from .guarantees import violated
 from .models import digests, fill_version, version_spec
 from .portable import MAX_PICKLE_BYTES, inspect_pickle
+from .trust import trusted_runtime, untrusted_unpickling
 
 __all__ = ["LifecycleMachine", "run_lifecycle_machine"]
 
@@ -198,6 +199,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             events = []
             for w in self.s.workers:
                 events += w.request("audit").get("events", [])
+            events = untrusted_unpickling(events, trusted_runtime(self.ctx.target.cls))
             if events:
                 raise violated("safe", f"a receiver unpickled: find_class{tuple(events[0])}")
         finally:

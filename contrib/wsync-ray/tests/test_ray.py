@@ -1,0 +1,119 @@
+"""The ray transport with its workers as Ray actors: a killed actor is a dead worker, not a hang,
+and 1,000 sends leave Ray's object store as it was (each version is freed once no one holds it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ray_actors  # noqa: E402
+from ray_actors import Rollout  # noqa: E402
+from wsync_core import WeightSyncScheme, WorkerTimeoutError  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(ray_actors)  # the actors' processes cannot import this folder
+
+
+@pytest.fixture
+def cluster(ray_head):
+    """This process joined to the module's Ray head; actors made by a test are killed after it."""
+    if not ray.is_initialized():
+        ray.init(address=ray_head.address, log_to_driver=False)
+    made: list = []
+    yield made
+    for actor in made:
+        ray.kill(actor, no_restart=True)
+
+
+def _fill(model: dict[str, torch.Tensor], v: int) -> None:
+    model["w"].fill_(float(v))
+
+
+def _start(cluster: list, scheme: WeightSyncScheme, n: int, numel: int) -> list:
+    actors = [Rollout.remote(scheme, i, numel) for i in range(n)]
+    cluster.extend(actors)
+    connects = [a.connect.remote(60.0) for a in actors]
+    scheme.connect(timeout=120.0)
+    assert ray.get(connects, timeout=120) == [0] * n
+    return actors
+
+
+def _store_used() -> tuple[int, int]:
+    """Bytes and objects in the cluster's object stores now (Ray's own memory stats)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+    return stats.object_store_bytes_used, stats.num_local_objects
+
+
+def test_killed_actor_is_a_dead_worker(cluster) -> None:
+    """ray.kill() of one rollout actor: the next send fails at once naming it (Left, not its
+    timeout), the others are updated, and later sends to the others succeed."""
+    model = {"w": torch.zeros(1 << 16)}
+    scheme = WeightSyncScheme("ray", timeout=120.0)
+    scheme.init_on_sender(model=model, num_workers=3)
+    try:
+        actors = _start(cluster, scheme, 3, 1 << 16)
+        _fill(model, 1)
+        assert scheme.send() == 1
+        ray.kill(actors[1], no_restart=True)
+        _fill(model, 2)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=300.0)
+        took = time.monotonic() - t0
+        assert info.value.workers == [1]
+        assert "disconnected" in str(info.value)
+        print(f"killed actor reported in {took:.2f} s: {info.value}")
+        assert took < 150.0, f"the dead actor was found by the send timeout ({took:.0f} s), not reported as Left"
+        for i in (0, 2):
+            state = ray.get(actors[i].wait_version.remote(2, 60.0))
+            assert state["version"] == 2 and state["first"] == state["last"] == 2.0 and not state["errors"], state
+        _fill(model, 3)
+        assert scheme.send(worker_ids=[0, 2]) == 3
+        ray.get([actors[i].shutdown.remote() for i in (0, 2)])
+    finally:
+        scheme.shutdown()
+
+
+def test_no_object_store_growth_over_1000_sends(cluster) -> None:
+    """1,000 sends of a 1 MiB model to two actors: every version leaves the object store once no
+    worker holds it, so the store holds as much after as after the first few sends."""
+    numel = 1 << 18  # 1 MiB of float32
+    model = {"w": torch.zeros(numel)}
+    scheme = WeightSyncScheme("ray", timeout=120.0)
+    scheme.init_on_sender(model=model, num_workers=2)
+    try:
+        actors = _start(cluster, scheme, 2, numel)
+        for v in range(1, 11):
+            _fill(model, v)
+            scheme.send()
+        time.sleep(1.0)
+        base_bytes, base_objects = _store_used()
+        for v in range(11, 1001):
+            _fill(model, v)
+            assert scheme.send() == v
+        states = ray.get([a.wait_version.remote(1000, 60.0) for a in actors])
+        assert all(s["version"] == 1000 and s["first"] == s["last"] == 1000.0 and not s["errors"] for s in states)
+        if os.geteuid() == 0:  # root may open /proc/self/map_files: the models adopt the objects (zero-copy)
+            assert ray.get([a.private_plasma_maps.remote() for a in actors]) == [1, 1]
+        time.sleep(1.0)
+        used_bytes, used_objects = _store_used()
+        print(f"object store after 10 sends: {base_bytes} bytes in {base_objects} objects; after 1,000: "
+              f"{used_bytes} bytes in {used_objects} objects")
+        # 1,000 versions are 1,000 MiB: a leak of even one in ten would show as 100 MiB
+        assert used_bytes <= base_bytes + (4 << 20), (base_bytes, used_bytes, base_objects, used_objects)
+        assert used_objects <= base_objects + 4, (base_objects, used_objects)
+        ray.get([a.shutdown.remote() for a in actors])
+    finally:
+        scheme.shutdown()
+    time.sleep(1.0)
+    after_bytes, _ = _store_used()
+    assert after_bytes <= base_bytes, f"{after_bytes} bytes still in the store after shutdown (were {base_bytes})"
