@@ -11,6 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .deadline import Deadline
+from .endpoints import Buffer, ReceiverBase, SenderBase
 from .errors import (
     SchemaMismatchError,
     StateError,
@@ -25,6 +26,7 @@ from .layout import Layout
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .registry import TransportInfo, get_transport, list_transports
 from .report import SendReport
+from .stream import StreamReceiver, StreamSender
 from .scheme import SendHandle, WeightSyncScheme
 from .transport import (
     Acked,
@@ -80,4 +82,10 @@ __all__ = [
     "zero_copy_for",
     "MAX_HEADER_BYTES",
     "MAX_ACK_BYTES",
+    # the bases a transport may build on (docs/writing-a-transport.md)
+    "SenderBase",
+    "ReceiverBase",
+    "Buffer",
+    "StreamSender",
+    "StreamReceiver",
 ]

@@ -33,5 +33,17 @@ class Deadline:
         """Seconds to wait now: what remains, but no more than ``at_most``."""
         return min(self.remaining(), at_most)
 
+    def seconds(self) -> float | None:
+        """Seconds left for a blocking call that takes None as "forever" (``Condition.wait``,
+        ``select.select``, ``socket.settimeout``): None for a deadline that never expires."""
+        left = self.remaining()
+        return None if math.isinf(left) else left
+
+    def milliseconds(self) -> int:
+        """Whole milliseconds left, rounded up, for calls that take -1 as "forever" (``zmq.Poller.poll``,
+        ``select.poll``): -1 for a deadline that never expires."""
+        left = self.remaining()
+        return -1 if math.isinf(left) else math.ceil(left * 1000)
+
     def __repr__(self) -> str:
         return f"Deadline(remaining={self.remaining():.3f}s)"

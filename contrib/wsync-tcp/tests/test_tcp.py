@@ -1,0 +1,265 @@
+"""tcp's own tests: authentication, hostile peers on both sides, heartbeats, reconnects. Real
+sockets and worker processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from wsync_core import (Deadline, Joined, Layout, Left, ReceiverContext, SenderContext, TransportError,
+                        WeightSyncScheme, WorkerTimeoutError)
+from wsync_core.protocol import MAX_ACK_BYTES
+from wsync_core.stream import PREFIX, Kind
+from wsync_tcp import TcpTransport
+
+from tcp_worker import make_model
+
+LAYOUT = Layout.of({"w": torch.zeros(16)})
+
+
+def prefix(kind: int, a: int = 0, b: int = 0, magic: bytes = b"ws") -> bytes:
+    return PREFIX.pack(magic, kind, a, b)
+
+
+def closed_by_peer(sock: socket.socket, within: float = 30.0) -> bool:
+    """Whether the other end closes ``sock`` within ``within`` seconds (reading and dropping what comes)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def events_until(endpoint, done, timeout: float = 30.0) -> list:
+    got, deadline = [], Deadline(timeout)
+    while not done(got) and not deadline.expired():
+        got += endpoint.poll(Deadline(deadline.slice(0.2)))
+    return got
+
+
+def bump(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+
+
+@pytest.fixture
+def sender():
+    """``sender(num_workers, **options)``: a tcp sender scheme and its model; shut down after the test."""
+    made = []
+
+    def make(num_workers: int = 1, **options) -> tuple[WeightSyncScheme, torch.nn.Module]:
+        scheme, model = WeightSyncScheme("tcp", timeout=60.0, **options), make_model(0)
+        scheme.init_on_sender(model=model, num_workers=num_workers)
+        made.append(scheme)
+        return scheme, model
+
+    yield make
+    for scheme in made:
+        scheme.shutdown()
+
+
+def test_options_are_checked_and_the_secret_hidden() -> None:
+    t = TcpTransport(authkey="s3cret")
+    assert t.options["host"] == t.options["advertise"] == "127.0.0.1" and 0 < t.options["port"] < 65536
+    assert "s3cret" not in repr(t)
+    with pytest.raises(ValueError, match="advertise"):
+        TcpTransport(host="0.0.0.0")
+    with pytest.raises(ValueError, match="port"):
+        TcpTransport(port=70000)
+    with pytest.raises(ValueError, match="authkey"):
+        TcpTransport(authkey="")
+
+
+def test_auth_good_key_updates_wrong_key_and_no_key_refused(sender, spawn) -> None:
+    scheme, model = sender(2, authkey="good key")
+    options = scheme.transport.options
+    good = spawn(0, options)
+    wrong = spawn(1, {**options, "authkey": "wrong key"})
+    with pytest.raises(WorkerTimeoutError) as info:
+        scheme.connect(timeout=30.0)  # usable for the workers that answered
+    assert info.value.workers == [1]
+    good.wait_version(0)
+    error = wrong.next()
+    assert "authentication failed" in error.get("error", ""), error
+    # a peer without the key that says hello at once is dropped, never joins
+    host, port = options["host"], options["port"]
+    with socket.create_connection((host, port)) as raw:
+        raw.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+        assert closed_by_peer(raw)
+    bump(model)
+    assert scheme.send(worker_ids=[0]) == 1
+    assert good.wait_version(1)["v"] == 1
+    with pytest.raises(WorkerTimeoutError) as info:
+        scheme.send(timeout=2.0)
+    assert info.value.workers == [1]
+
+
+def test_sender_survives_hostile_peers_and_keeps_serving(sender, spawn) -> None:
+    scheme, model = sender(1, heartbeat=1.0)
+    options = scheme.transport.options
+    worker = spawn(0, options)
+    scheme.connect()
+    worker.wait_version(0)
+    address = (options["host"], options["port"])
+    hostile = {
+        "random bytes": os.urandom(4096),
+        "another protocol": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        "a delivery, the sender's own kind": prefix(Kind.DELIVER, 10, 10),
+        "an oversized ack before hello": prefix(Kind.ACK, MAX_ACK_BYTES + 1) + b"x" * 1000,
+        "a hello out of range": prefix(Kind.HELLO, 7, 0),
+        "a frame of unknown kind": prefix(99, 1, 1),
+    }
+    peers = {}
+    for what, data in hostile.items():
+        peers[what] = socket.create_connection(address)
+        peers[what].sendall(data)
+    mute = socket.create_connection(address)  # connects and never speaks
+    for what, peer in peers.items():
+        assert closed_by_peer(peer), f"the sender kept a peer that sent {what}"
+        peer.close()
+    assert closed_by_peer(mute), "the sender kept a peer that never spoke past its heartbeat"
+    mute.close()
+    with socket.create_connection(address) as pinger:  # pings, but never says hello
+        pinger.settimeout(0.3)
+        end, closed = time.monotonic() + 30, False
+        while not closed and time.monotonic() < end:
+            try:
+                pinger.sendall(prefix(Kind.PING))
+                closed = pinger.recv(65536) == b""
+            except TimeoutError:
+                pass
+            except OSError:  # reset, broken pipe: closed by the sender
+                closed = True
+        assert closed, "the sender kept a peer that only pinged"
+    for v in (1, 2):
+        bump(model)
+        assert scheme.send() == v
+        assert worker.wait_version(v)["v"] == v
+
+
+def test_a_worker_that_breaks_the_protocol_is_dropped_as_left() -> None:
+    transport = TcpTransport(heartbeat=5.0)
+    endpoint = transport.sender(SenderContext(2, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        address = (transport.options["host"], transport.options["port"])
+        with socket.create_connection(address) as one, socket.create_connection(address) as two:
+            one.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
+            two.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+            got = events_until(endpoint, lambda e: len(e) >= 2)
+            assert sorted(e.worker for e in got if isinstance(e, Joined)) == [0, 1]
+            one.sendall(prefix(Kind.ACK, MAX_ACK_BYTES + 1))  # an oversized ack
+            two.sendall(prefix(Kind.ACK, 3) + b"ok!")
+            got = events_until(endpoint, lambda e: any(isinstance(x, Left) for x in e))
+            left = [e for e in got if isinstance(e, Left)]
+            assert [e.worker for e in left] == [0] and "protocol violation" in left[0].reason, got
+            assert closed_by_peer(one)
+            # a reconnection under the same index: Joined again, and the old connection goes
+            with socket.create_connection(address) as again:
+                again.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+                got = events_until(endpoint, lambda e: any(isinstance(x, Joined) for x in e))
+                assert Joined(1) in got
+                assert closed_by_peer(two)
+    finally:
+        endpoint.close()
+    with pytest.raises(TransportError, match="closed"):
+        endpoint.poll(Deadline(0))
+
+
+def fake_sender(frames: bytes):
+    """A listening socket that, for the first peer, reads its hello and answers ``frames``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(PREFIX.size)
+            conn.sendall(frames)
+            time.sleep(2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, port
+
+
+@pytest.mark.parametrize("what, frames", [
+    ("a payload larger than the model", prefix(Kind.DELIVER, 2, LAYOUT.nbytes + 1) + b"{}"),
+    ("a header over the limit", prefix(Kind.DELIVER, (32 << 20) + 1, 0)),
+    ("garbage", b"\x00" * 64),
+    ("an ack, the receiver's own kind", prefix(Kind.ACK, 2) + b"{}"),
+])
+def test_a_receiver_refuses_a_hostile_sender(what: str, frames: bytes) -> None:
+    listener, port = fake_sender(frames)
+    endpoint = TcpTransport(port=port).receiver(ReceiverContext(0, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        with pytest.raises(TransportError, match="broke the protocol"):
+            endpoint.recv(Deadline(30))
+    finally:
+        endpoint.close()
+        listener.close()
+
+
+def test_a_payload_of_another_size_reaches_the_core_as_its_header() -> None:
+    """A receiver whose model has another size gets the header only; its core names the mismatch."""
+    listener, port = fake_sender(prefix(Kind.DELIVER, 2, 8) + b"{}" + b"x" * 8)
+    endpoint = TcpTransport(port=port).receiver(ReceiverContext(0, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        delivery = endpoint.recv(Deadline(30))
+        assert delivery.header == b"{}" and delivery.payload.device.type == "meta"
+        assert delivery.payload.numel() == 8
+    finally:
+        endpoint.close()
+        listener.close()
+
+
+def test_a_stopped_worker_is_noticed_by_the_heartbeat(sender, spawn) -> None:
+    scheme, model = sender(2, heartbeat=1.0)
+    options = scheme.transport.options
+    workers = [spawn(i, options) for i in range(2)]
+    scheme.connect()
+    for w in workers:
+        w.wait_version(0)
+    os.kill(workers[1].proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            bump(model)
+            scheme.send()  # timeout 60 s: the heartbeat ends it long before
+        assert info.value.workers == [1]
+        assert time.monotonic() - t0 < 45
+        assert workers[0].wait_version(1)["v"] == 1
+    finally:
+        os.kill(workers[1].proc.pid, signal.SIGCONT)
+    # it comes back by itself and gets the latest version
+    assert workers[1].wait_version(1)["v"] == 1
+
+
+def test_a_killed_worker_is_left_at_once_even_if_a_forked_child_lives_on(sender, spawn) -> None:
+    """The child's copies of the connection are closed at fork, so the kernel ends the connection
+    with the worker: the sender reports it gone long before the (60 s) heartbeat."""
+    scheme, model = sender(1, heartbeat=60.0)
+    worker = spawn(0, scheme.transport.options, fork=True)
+    scheme.connect()
+    child = worker.next()["child"]
+    worker.wait_version(0)
+    try:
+        worker.proc.kill()
+        worker.proc.wait(30)
+        bump(model)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=120.0)
+        assert info.value.workers == [0] and time.monotonic() - t0 < 45
+    finally:
+        os.kill(child, signal.SIGKILL)

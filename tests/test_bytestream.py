@@ -1,0 +1,206 @@
+"""The byte-stream base's framing: what is written reads back; anything else is a Violation,
+checked before a byte of it is allocated (wsync-tcp and wsync-unix test the rest with real sockets)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from wsync_core import (Capabilities, ReceiverContext, SenderContext, StreamReceiver, StreamSender, Transport,
+                        WeightSyncScheme)
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.stream import Kind, Violation, _Reader, frame
+
+ALL = frozenset(range(1, 9))
+
+
+def reader_over(data: bytes, payload_max: int, sizes: list[int]):
+    """A reader of ``data`` (in chunks of at most 7 bytes) whose sink records what it is asked for."""
+    pos = 0
+
+    def read_into(view: memoryview) -> int:
+        nonlocal pos
+        n = min(len(view), 7, len(data) - pos)
+        if n == 0:
+            raise EOFError  # end of the test's bytes
+        view[:n] = data[pos:pos + n]
+        pos += n
+        return n
+
+    def sink(size: int) -> torch.Tensor:
+        sizes.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    reader = _Reader(payload_max, sink)
+    reader.accept = ALL
+    return reader, read_into
+
+
+def read_all(data: bytes, payload_max: int, sizes: list[int]) -> list:
+    reader, read_into = reader_over(data, payload_max, sizes)
+    frames = []
+    while True:
+        try:
+            _, got = reader.read(read_into)
+        except EOFError:
+            return frames
+        if got is not None:
+            frames.append(got)
+
+
+@given(header=st.binary(max_size=300), payload=st.binary(max_size=300), ack=st.binary(max_size=300),
+       worker=st.integers(0, 0xFFFF))
+def test_frames_read_back(header: bytes, payload: bytes, ack: bytes, worker: int) -> None:
+    data = (frame(Kind.HELLO, a=worker, b=len(payload)) + frame(Kind.DELIVER, header, len(header), len(payload))
+            + payload + frame(Kind.ACK, ack) + frame(Kind.PING) + frame(Kind.BYE, b"reason"))
+    frames = read_all(data, len(payload), [])
+    assert [f.kind for f in frames] == [Kind.HELLO, Kind.DELIVER, Kind.ACK, Kind.PING, Kind.BYE]
+    assert (frames[0].a, frames[0].b) == (worker, len(payload))
+    assert frames[1].body == header
+    assert (bytes(frames[1].payload.numpy()) if payload else frames[1].payload) == (payload or None)
+    assert frames[2].body == ack and frames[4].body == b"reason"
+
+
+@settings(max_examples=300)
+@given(data=st.binary(min_size=16, max_size=200), payload_max=st.integers(0, 64))
+def test_garbage_is_a_violation_and_never_allocates_past_the_limits(data: bytes, payload_max: int) -> None:
+    sizes: list[int] = []
+    try:
+        read_all(data, payload_max, sizes)
+    except Violation:
+        pass
+    assert all(s <= payload_max for s in sizes)
+
+
+def test_sizes_over_the_limits_are_refused_from_the_prefix_alone() -> None:
+    for data in (frame(Kind.DELIVER, a=MAX_HEADER_BYTES + 1, b=0), frame(Kind.DELIVER, a=0, b=11),
+                 frame(Kind.ACK, a=MAX_ACK_BYTES + 1), frame(Kind.CHALLENGE, a=31), frame(99),
+                 b"XX" + frame(Kind.PING)[2:]):
+        try:
+            read_all(data, 10, [])
+        except Violation:
+            continue
+        raise AssertionError(f"{data[:16]!r} was accepted")
+    reader, read_into = reader_over(frame(Kind.ACK, b"x"), 0, [])
+    reader.accept = frozenset({Kind.HELLO})  # out of turn
+    try:
+        reader.read(read_into)
+        reader.read(read_into)
+        reader.read(read_into)
+    except Violation:
+        return
+    raise AssertionError("an ack out of turn was accepted")
+
+
+class _Pipe:
+    """A stream that is not a socket object: a descriptor read and written with os.read/os.write."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def send(self, data: memoryview) -> int:
+        return os.write(self.fd, data)
+
+    def recv_into(self, view: memoryview) -> int:
+        chunk = os.read(self.fd, len(view))
+        view[:len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Listener:
+    """Hands out one end of a new socketpair per connect() as a _Pipe, woken through an eventfd."""
+
+    def __init__(self) -> None:
+        self.waiting: list[int] = []
+        self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self.bell
+
+    def accept(self):
+        os.eventfd_read(self.bell)
+        return _Pipe(self.waiting.pop(0)), None
+
+    def close(self) -> None:
+        os.close(self.bell)
+
+    def connect(self) -> _Pipe:
+        ours, theirs = socket.socketpair()
+        self.waiting.append(theirs.detach())
+        os.eventfd_write(self.bell, 1)
+        return _Pipe(ours.detach())
+
+
+_listeners: dict[str, _Listener] = {}
+
+
+class PipeTransport(Transport):
+    """The byte-stream base over descriptors the base knows nothing about (no socket objects)."""
+
+    name = "pipes"
+    interface = 1
+    capabilities = Capabilities(processes=False)
+
+    def __init__(self, *, channel: str = "pipes") -> None:
+        super().__init__(channel=channel)
+
+    def sender(self, ctx: SenderContext) -> StreamSender:
+        channel = self.options["channel"]
+
+        class Sender(StreamSender):
+            def listen(self) -> _Listener:
+                _listeners[channel] = _Listener()
+                return _listeners[channel]
+
+        return Sender("pipes sender", ctx)
+
+    def receiver(self, ctx: ReceiverContext) -> StreamReceiver:
+        channel = self.options["channel"]
+
+        class Receiver(StreamReceiver):
+            def connect(self, timeout: float) -> _Pipe:
+                if channel not in _listeners:
+                    raise ConnectionRefusedError("no sender yet")
+                return _listeners[channel].connect()
+
+        return Receiver(f"pipes worker {ctx.worker_idx}", ctx)
+
+
+def test_a_stream_that_is_not_a_socket() -> None:
+    sender = WeightSyncScheme(PipeTransport(), timeout=30.0)
+    model, theirs = nn.Linear(4, 3), nn.Linear(4, 3)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver = WeightSyncScheme(PipeTransport(), timeout=30.0)
+    receiver.init_on_receiver(model=theirs, worker_idx=0)
+    done = threading.Event()
+
+    def work() -> None:
+        receiver.connect()
+        while not done.is_set():
+            receiver.receive(timeout=0.05)
+        receiver.shutdown()
+
+    t = threading.Thread(target=work)
+    t.start()
+    try:
+        sender.connect()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert sender.send() == 1
+        assert torch.equal(model.weight, theirs.weight)
+    finally:
+        done.set()
+        t.join(30)
+        sender.shutdown()

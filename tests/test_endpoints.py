@@ -1,0 +1,156 @@
+"""The endpoint bases: lifecycle and closed guard, events, the buffer pool, the newest-only mailbox."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from wsync_core import (Acked, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
+                        SenderContext, TransportError, WorkerTimeoutError)
+from wsync_core.protocol import MAX_HEADER_BYTES
+
+LAYOUT = Layout.of({"w": torch.zeros(4)})
+
+
+class Sender(SenderBase):
+    def __init__(self, n: int = 1, **kw) -> None:
+        super().__init__("test sender", SenderContext(n, LAYOUT, "m", torch.device("cpu")), **kw)
+        self.started = self.stopped = 0
+        self.sent: list[tuple[int, bytes, list[int]]] = []
+
+    def start(self, deadline: Deadline) -> None:
+        self.started += 1
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+    def deliver(self, buffer, header, workers) -> None:
+        self.sent.append((buffer.index, header, workers))
+        for w in workers:
+            self.hold(buffer, w)
+
+
+class Receiver(ReceiverBase):
+    def __init__(self) -> None:
+        super().__init__("test receiver", ReceiverContext(0, LAYOUT, "m", torch.device("cpu")))
+        self.acks: list[bytes] = []
+
+    def ack(self, data: bytes) -> None:
+        self.check_open()
+        self.acks.append(data)
+
+
+def test_deadline_timeouts_never_overflow() -> None:
+    forever = Deadline(math.inf)
+    assert forever.seconds() is None and forever.milliseconds() == -1
+    assert 0 < Deadline(0.5).seconds() <= 0.5 and Deadline(0.0015).milliseconds() in (1, 2)
+    assert Deadline(0).milliseconds() == 0
+
+
+def test_calls_before_open_and_after_close_raise_naming_the_transport() -> None:
+    s = Sender()
+    with pytest.raises(TransportError, match="test sender is not open"):
+        s.poll(Deadline(0))
+    s.close()  # before open: harmless, no stop()
+    assert s.stopped == 0
+    s.open(Deadline(1))
+    s.close()
+    s.close()
+    assert (s.started, s.stopped) == (1, 1)
+    for call in (lambda: s.poll(Deadline(0)), lambda: s.acquire(Deadline(0))):
+        with pytest.raises(TransportError, match="test sender is closed"):
+            call()
+    s.open(Deadline(1))  # the core may retry connect() on the same endpoint
+    assert s.is_open and s.started == 2
+    s.close()
+    r = Receiver()
+    r.open(Deadline(1))
+    r.close()
+    for call in (lambda: r.recv(Deadline(0)), lambda: r.ack(b"x")):
+        with pytest.raises(TransportError, match="test receiver is closed"):
+            call()
+
+
+def test_a_failing_start_closes() -> None:
+    class Broken(Sender):
+        def start(self, deadline):
+            raise TransportError("cannot bind")
+
+    s = Broken()
+    with pytest.raises(TransportError, match="cannot bind"):
+        s.open(Deadline(1))
+    assert not s.is_open and s.stopped == 1
+
+
+def test_poll_waits_for_an_event_from_another_thread_and_close_wakes_it() -> None:
+    s = Sender()
+    s.open(Deadline(1))
+    assert s.poll(Deadline(0)) == []
+    threading.Timer(0.05, s.emit, (Joined(0),)).start()
+    assert s.poll(Deadline(math.inf)) == [Joined(0)]
+    s.emit(Acked(0, b"a"))
+    s.emit(Acked(0, b"b"))
+    assert s.poll(Deadline(0)) == [Acked(0, b"a"), Acked(0, b"b")]
+    threading.Timer(0.05, s.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="closed"):
+        s.poll(Deadline(math.inf))
+    assert time.monotonic() - t0 < 20
+
+
+def test_buffer_pool_by_identity_hold_and_latest() -> None:
+    s = Sender(n=1, max_buffers=2)
+    s.open(Deadline(1))
+    a = s.acquire(Deadline(0))
+    assert s.acquire(Deadline(0)) is a  # given up (no publish): handed out again
+    s.publish(a, b"h1", [0])
+    b = s.acquire(Deadline(0))
+    assert b is not a  # never the latest
+    with pytest.raises(TransportError, match="did not return"):
+        s.publish(torch.empty(LAYOUT.nbytes, dtype=torch.uint8), b"h", [0])
+    with pytest.raises(TransportError, match="exceeds the limit"):
+        s.publish(b, b"x" * (MAX_HEADER_BYTES + 1), [0])
+    s.publish(b, b"h2", [0])
+    assert s.sent == [(0, b"h1", [0]), (1, b"h2", [0])]
+    with pytest.raises(WorkerTimeoutError) as info:  # a is held by worker 0, b is the latest
+        s.acquire(Deadline(0.05))
+    assert info.value.workers == [0]
+    threading.Timer(0.05, s.let_go, (s.buffers[0], 0)).start()
+    assert s.acquire(Deadline(math.inf)) is a
+    s.close()
+
+
+def test_mailbox_keeps_the_newest_and_releases_the_older() -> None:
+    r = Receiver()
+    r.open(Deadline(1))
+    released = []
+    for i in range(3):
+        r.put(Delivery(b"%d" % i, torch.zeros(0, dtype=torch.uint8), release=lambda i=i: released.append(i)))
+    assert released == [0, 1]
+    assert r.recv(Deadline(0)).header == b"2"
+    assert r.recv(Deadline(0.01)) is None
+    r.put(Delivery(b"3", torch.zeros(0, dtype=torch.uint8)))
+    r.fail("the sender is gone")
+    assert r.recv(Deadline(0)).header == b"3"  # what came before the failure is delivered first
+    with pytest.raises(TransportError, match="the sender is gone"):
+        r.recv(Deadline(0))
+    r.close()
+
+
+def test_wake_ends_a_wait_in_another_thread_and_every_later_one() -> None:
+    r, s = Receiver(), Sender()
+    r.open(Deadline(1))
+    s.open(Deadline(1))
+    for endpoint in (r, s):
+        threading.Timer(0.05, endpoint.wake).start()
+    t0 = time.monotonic()
+    assert r.recv(Deadline(math.inf)) is None
+    assert s.poll(Deadline(math.inf)) == []
+    assert r.recv(Deadline(math.inf)) is None and s.poll(Deadline(math.inf)) == []
+    assert time.monotonic() - t0 < 20
+    r.close()
+    s.close()

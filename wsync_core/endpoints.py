@@ -1,0 +1,262 @@
+"""Endpoint bases: the machinery every transport needs, so a plugin writes only its own I/O.
+
+``SenderBase`` and ``ReceiverBase`` implement ``SenderEndpoint`` and ``ReceiverEndpoint`` (the
+interface the core calls is unchanged). They carry:
+
+- a lifecycle: ``open`` calls the plugin's ``start``, ``close`` its ``stop`` exactly once; close
+  is idempotent and callable from any state, and every other call on an endpoint that is not
+  open raises ``TransportError`` naming the transport;
+- one condition (``self.cond``) guarding the endpoint's state, with ``wait_until`` that waits a
+  slice at a time (no ``OverflowError`` for ``math.inf``) and looks once when the deadline passed;
+- for senders: an event queue (``emit`` from any thread, ``poll`` returns them) and a pool of
+  payload buffers: ``acquire`` hands one out, ``publish`` finds it by identity and gives the
+  plugin's ``deliver`` a ``Buffer`` with its index; ``hold``/``let_go`` keep a buffer out of
+  ``acquire`` while a worker may still read it;
+- for receivers: a mailbox that keeps only the newest delivery (``put`` drops an older one not
+  yet taken, releasing it), and ``fail`` to make ``recv`` raise once the mailbox is empty.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .deadline import Deadline
+from .errors import TransportError, WorkerTimeoutError
+from .protocol import MAX_HEADER_BYTES
+from .transport import Delivery, Event, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint
+
+__all__ = ["Buffer", "EndpointBase", "SenderBase", "ReceiverBase"]
+
+#: the longest single wait; a wait for longer is cut into slices of this many seconds
+_SLICE_S = 1.0
+
+
+class EndpointBase:
+    """The lifecycle and the condition shared by both sides; ``what`` names the endpoint in errors."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.cond = threading.Condition()
+        self._state = "new"  # new -> open -> closed (-> open again: the core may retry connect())
+        self._woken = False  # wake() was called: waits end at once
+
+    @property
+    def is_open(self) -> bool:
+        return self._state == "open"
+
+    def check_open(self) -> None:
+        """Raise TransportError unless the endpoint is open (after ``open``, before ``close``)."""
+        if self._state != "open":
+            raise TransportError(f"{self.what} is {'closed' if self._state == 'closed' else 'not open yet'}")
+
+    def open(self, deadline: Deadline) -> None:
+        """Mark the endpoint open, then ``start(deadline)``; if that raises, the endpoint is closed."""
+        with self.cond:
+            if self._state == "open":
+                raise TransportError(f"{self.what} is already open")
+            self._state, self._woken = "open", False
+        try:
+            self.start(deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Mark the endpoint closed and wake every waiter, then ``stop()`` once; idempotent, never raises."""
+        with self.cond:
+            if self._state != "open":
+                self._state = "closed"
+                return
+            self._state = "closed"
+            self.cond.notify_all()
+        self.stop()
+
+    def wake(self) -> None:
+        """End a wait in another thread (``poll``, ``recv``, ``acquire``) and every later one at once:
+        the scheme is shutting down. Callable from any thread; never raises."""
+        with self.cond:
+            self._woken = True
+            self.cond.notify_all()
+
+    def start(self, deadline: Deadline) -> None:
+        """Take resources (bind, connect, start threads); raise TransportError or WorkerTimeoutError."""
+
+    def stop(self) -> None:
+        """Free every resource ``start`` took (called once, after the endpoint is marked closed); must not raise."""
+
+    def wait_until(self, ready: Callable[[], bool], deadline: Deadline) -> bool:
+        """With ``self.cond`` held: wait until ``ready()``, the deadline, ``wake`` or ``close``; returns
+        ``ready()``. Looks once even when the deadline has passed; never hands ``math.inf`` to a
+        blocking call.
+        """
+        while not ready() and self._state == "open" and not self._woken and not deadline.expired():
+            self.cond.wait(deadline.slice(_SLICE_S))
+        return ready()
+
+
+@dataclass(eq=False)
+class Buffer:
+    """A sender's payload buffer: ``tensor`` (``layout.nbytes`` uint8) and its ``index`` in the pool."""
+
+    index: int
+    tensor: torch.Tensor
+    #: worker -> how many times it holds the buffer (queued for it, or being read by it)
+    holders: Counter = field(default_factory=Counter)
+
+
+class SenderBase(EndpointBase, SenderEndpoint):
+    """A sender endpoint with events, a closed guard and a buffer pool; the plugin implements ``deliver``.
+
+    ``max_buffers`` bounds the pool (default ``2 * num_workers + 2``: one buffer being written and
+    one waiting per worker, the latest, and the one being filled).
+    """
+
+    def __init__(self, what: str, ctx: SenderContext, max_buffers: int | None = None) -> None:
+        super().__init__(what)
+        self.ctx = ctx
+        self.max_buffers = max_buffers or 2 * ctx.num_workers + 2
+        self.buffers: list[Buffer] = []
+        self.latest: Buffer | None = None
+        self._events: list[Event] = []
+
+    # -- what the plugin implements -----------------------------------------------------------
+    def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        """Move ``buffer`` and ``header`` to ``workers`` without waiting for them (called with
+        ``self.cond`` held); ``hold`` the buffer for each worker that may still read it."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement deliver()")
+
+    def allocate(self, index: int) -> torch.Tensor:
+        """A new buffer of ``layout.nbytes`` bytes (override for shared memory, pinned memory...)."""
+        return torch.empty(self.ctx.layout.nbytes, dtype=torch.uint8)
+
+    # -- for the plugin's I/O -------------------------------------------------------------------
+    def emit(self, event: Event) -> None:
+        """Queue an event for ``poll`` (from any thread) and wake the poller."""
+        with self.cond:
+            self._events.append(event)
+            self.cond.notify_all()
+
+    def hold(self, buffer: Buffer, worker: int) -> None:
+        """Keep ``buffer`` out of ``acquire`` until ``let_go(buffer, worker)`` (may nest)."""
+        with self.cond:
+            buffer.holders[worker] += 1
+
+    def let_go(self, buffer: Buffer, worker: int) -> None:
+        """Undo one ``hold``; a buffer nobody holds may be handed out again."""
+        with self.cond:
+            buffer.holders[worker] -= 1
+            if buffer.holders[worker] <= 0:
+                del buffer.holders[worker]
+                self.cond.notify_all()
+
+    # -- SenderEndpoint --------------------------------------------------------------------------
+    def acquire(self, deadline: Deadline) -> torch.Tensor:
+        """A buffer neither published last nor held; a new one while the pool has room.
+
+        Raises WorkerTimeoutError naming the holders if none frees up by the deadline, TransportError
+        if closed or the allocation fails.
+        """
+        with self.cond:
+            self.check_open()
+            def free() -> Buffer | None:
+                return next((b for b in self.buffers if b is not self.latest and not b.holders), None)
+
+            if free() is None and len(self.buffers) < self.max_buffers:
+                try:
+                    self.buffers.append(Buffer(len(self.buffers), self.allocate(len(self.buffers))))
+                except (OSError, RuntimeError) as exc:
+                    raise TransportError(f"{self.what}: cannot allocate a buffer of "
+                                         f"{self.ctx.layout.nbytes} bytes: {exc}") from None
+            if self.wait_until(lambda: free() is not None, deadline):
+                return free().tensor
+            self.check_open()
+            holders = sorted({w for b in self.buffers for w in b.holders})
+            raise WorkerTimeoutError(f"{self.what}: all {len(self.buffers)} buffers are still held by workers "
+                                     f"{holders} after {deadline.timeout:g} s", holders)
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        """Find ``buffer`` by identity and ``deliver`` it; raises TransportError for a buffer this
+        pool did not hand out, a header over MAX_HEADER_BYTES, or a closed endpoint."""
+        self.check_open()
+        found = next((b for b in self.buffers if b.tensor is buffer), None)
+        if found is None:
+            raise TransportError(f"{self.what}: publish() got a buffer that acquire() did not return")
+        if len(header) > MAX_HEADER_BYTES:
+            raise TransportError(f"{self.what}: a header of {len(header)} bytes exceeds the limit of "
+                                 f"{MAX_HEADER_BYTES} bytes")
+        with self.cond:
+            self.check_open()
+            self.latest = found
+            self.deliver(found, bytes(header), list(workers))
+
+    def poll(self, deadline: Deadline) -> list[Event]:
+        """The events emitted since the last call, waiting for one until the deadline; TransportError if closed."""
+        with self.cond:
+            self.check_open()
+            self.wait_until(lambda: bool(self._events), deadline)
+            self.check_open()  # closed while waiting
+            events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        super().close()
+        with self.cond:
+            self._events.clear()
+            self.latest = None
+            self.buffers = []
+
+
+class ReceiverBase(EndpointBase, ReceiverEndpoint):
+    """A receiver endpoint with a newest-only mailbox and a closed guard; the plugin implements ``ack``
+    and feeds the mailbox from its own I/O (``put``, ``fail``)."""
+
+    def __init__(self, what: str, ctx: ReceiverContext) -> None:
+        super().__init__(what)
+        self.ctx = ctx
+        self._mail: Delivery | None = None
+        self._failure: str | None = None
+
+    def put(self, delivery: Delivery) -> None:
+        """Make ``delivery`` the next one ``recv`` returns; an older one not yet taken is released."""
+        with self.cond:
+            older, self._mail = self._mail, delivery
+            self.cond.notify_all()
+        if older is not None and older.release is not None:
+            older.release()
+
+    def fail(self, reason: str) -> None:
+        """Make ``recv`` raise TransportError(``reason``) once the mailbox is empty (until ``clear_failure``)."""
+        with self.cond:
+            self._failure = reason
+            self.cond.notify_all()
+
+    def clear_failure(self) -> None:
+        with self.cond:
+            self._failure = None
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        """The newest delivery, waiting for one until the deadline; None if none came.
+
+        Raises TransportError if the endpoint is closed or failed (``fail``) with nothing left to deliver.
+        """
+        with self.cond:
+            self.check_open()
+            self.wait_until(lambda: self._mail is not None or self._failure is not None, deadline)
+            delivery, self._mail = self._mail, None
+            if delivery is None and self._failure is not None:
+                raise TransportError(f"{self.what}: {self._failure}")
+            if delivery is None:
+                self.check_open()
+            return delivery
+
+    def close(self) -> None:
+        super().close()
+        with self.cond:
+            delivery, self._mail = self._mail, None
+        if delivery is not None and delivery.release is not None:
+            delivery.release()

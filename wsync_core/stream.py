@@ -1,0 +1,783 @@
+"""Transports over any reliable byte stream: the plugin says how to listen, accept, connect, send
+and receive bytes; this module does the rest.
+
+``StreamSender`` and ``StreamReceiver`` name no socket family. A stream is anything with
+``fileno()`` (for ``selectors``), ``send(view) -> int``, ``recv_into(view) -> int`` (0 at end of
+stream) and ``close()``: a socket of any family, or an object of the plugin's own whose methods
+do the same (override ``write``/``read_into`` for other calls). The bases own:
+
+- **framing**: every message is a 16-byte prefix (magic, kind, two numbers) and a body whose size
+  the kind bounds, checked before anything is allocated or read: a header over
+  ``MAX_HEADER_BYTES``, a payload over the receiver's ``layout.nbytes``, an ack over
+  ``MAX_ACK_BYTES``, an unknown kind or a kind out of turn is a protocol violation: the peer is
+  dropped (``Left`` on the sender), never delivered. Binary, with ``struct``: nothing unpickled.
+- **authentication** (when an ``authkey`` is given): an HMAC-SHA256 challenge-response both ways
+  before the hello, compared in constant time.
+- **one I/O thread per endpoint** that never blocks on one peer: non-blocking streams, one
+  output queue per connection, newest-wins (a newer publish replaces an unsent older one: at
+  most one version waits per worker beyond the one being written).
+- **membership**: a hello names the worker; a new hello for a worker replaces its connection
+  (``Joined`` again); a connection that ends, errs, breaks the protocol or is silent for
+  ``heartbeat`` seconds is reported ``Left``. Each side pings when idle, so a cut link is
+  noticed within ``heartbeat`` seconds. A receiver reconnects by itself under its index.
+- **receivers** keep only the newest delivery, read straight into a buffer of their own (which
+  the core may adopt), and hand a payload of another size over as its header and a ``meta``
+  tensor so the core names the mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import selectors
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .deadline import Deadline
+from .endpoints import Buffer, ReceiverBase, SenderBase
+from .errors import TransportError
+from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from .transport import Acked, Delivery, Joined, Left, ReceiverContext, SenderContext, zero_copy_for
+
+__all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
+
+log = logging.getLogger("wsync.stream")
+
+#: magic, kind, a, b: what ``a`` and ``b`` mean depends on the kind (see ``_sizes``)
+PREFIX = struct.Struct("!2sBxIQ")
+MAGIC = b"ws"
+NONCE_BYTES = 32
+MAX_REASON_BYTES = 4096
+#: bytes read from one peer before the I/O thread turns to the others
+_READ_BUDGET = 8 << 20
+#: a receiver's unsent acks beyond this mean the sender is not reading
+_MAX_BACKLOG = 1 << 20
+#: connections that have not said hello yet, at most (the oldest is dropped beyond)
+_MAX_STRANGERS = 64
+#: events waiting for poll() at most: a worker that acks past this (one ack per delivery is expected) is dropped
+_MAX_EVENTS = 65536
+#: bytes written to one peer before the I/O thread turns to the others
+_WRITE_BUDGET = 8 << 20
+#: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
+_live: weakref.WeakSet[_Loop] = weakref.WeakSet()
+
+
+class Kind:
+    """Frame kinds. ``a``/``b`` of the prefix, per kind: see ``_sizes``."""
+
+    CHALLENGE, RESPONSE, PROOF, HELLO, DELIVER, ACK, BYE, PING = range(1, 9)
+
+
+class Stream(Protocol):
+    """What a stream must offer (a connected socket does)."""
+
+    def fileno(self) -> int: ...
+    def send(self, data: memoryview) -> int: ...
+    def recv_into(self, buffer: memoryview) -> int: ...
+    def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    """What a listener must offer (a listening socket does)."""
+
+    def fileno(self) -> int: ...
+    def accept(self) -> tuple[Stream, Any]: ...
+    def close(self) -> None: ...
+
+
+class Violation(TransportError):
+    """A peer broke the protocol: it is dropped."""
+
+
+def _sizes(kind: int, a: int, b: int, payload_max: int) -> tuple[int, int]:
+    """The body and payload bytes that follow a prefix; raises Violation for sizes out of bounds."""
+    if kind in (Kind.CHALLENGE, Kind.PROOF) and a == NONCE_BYTES or kind == Kind.RESPONSE and a == 2 * NONCE_BYTES:
+        return a, 0
+    if kind in (Kind.HELLO, Kind.PING) and a <= 0xFFFF and b <= 1 << 48:
+        return 0, 0  # HELLO: a = worker index, b = its layout's nbytes
+    if kind == Kind.DELIVER:  # a = header bytes, b = payload bytes
+        if a > MAX_HEADER_BYTES or b > payload_max:
+            raise Violation(f"a delivery of {a} header and {b} payload bytes exceeds the limits "
+                            f"({MAX_HEADER_BYTES} and {payload_max})")
+        return a, b
+    if kind == Kind.ACK and a <= MAX_ACK_BYTES or kind == Kind.BYE and a <= MAX_REASON_BYTES:
+        return a, 0
+    raise Violation(f"a frame of kind {kind} with sizes ({a}, {b}) is malformed or over its limit")
+
+
+def frame(kind: int, body: bytes = b"", a: int | None = None, b: int = 0) -> bytes:
+    """One frame's prefix and body (``a`` defaults to the body's length)."""
+    return PREFIX.pack(MAGIC, kind, len(body) if a is None else a, b) + body
+
+
+def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, b"wsync-stream " + role + b" " + nonce, hashlib.sha256).digest()
+
+
+@dataclass
+class Frame:
+    kind: int
+    a: int
+    b: int
+    body: bytes
+    payload: torch.Tensor | None  # DELIVER only: the payload, or None if it was skipped
+
+
+class _Reader:
+    """Frames from one stream, read in place: prefix and body into bytes, a payload straight into
+    the tensor ``sink(size)`` gives (None: read and drop it)."""
+
+    def __init__(self, payload_max: int, sink: Callable[[int], torch.Tensor | None]) -> None:
+        self.payload_max, self.sink = payload_max, sink
+        self.accept: frozenset[int] = frozenset()
+        self._start()
+
+    def _start(self) -> None:
+        self.view, self.pos, self.stage = memoryview(bytearray(PREFIX.size)), 0, 0
+        self.frame: Frame | None = None
+        self.skip = 0
+
+    def read(self, read_into: Callable[[memoryview], int]) -> tuple[int, Frame | None]:
+        """Read once; returns (bytes read, a completed frame or None). Raises EOFError at end of
+        stream, BlockingIOError when nothing is there, Violation for a malformed frame."""
+        n = read_into(self.view[self.pos:])
+        if n == 0:
+            raise EOFError("end of stream")
+        self.pos += n
+        if self.pos < len(self.view):
+            return n, None
+        if self.skip:
+            self.skip -= len(self.view)
+            self.pos = 0
+            self.view = self.view[:min(self.skip, len(self.view))]
+            return n, self._finish() if not self.skip else None
+        if self.stage == 0:
+            magic, kind, a, b = PREFIX.unpack(self.view)
+            if magic != MAGIC:
+                raise Violation(f"a frame starting {bytes(self.view[:4])!r} (not a wsync stream)")
+            if kind not in self.accept and kind != Kind.PING:
+                raise Violation(f"a frame of kind {kind} out of turn")
+            body, payload = _sizes(kind, a, b, self.payload_max)
+            self.frame = Frame(kind, a, b, b"", None)
+            self.stage, self.body_len, self.need_payload = 1, body, payload
+            if body:
+                self.view, self.pos = memoryview(bytearray(body)), 0
+                return n, None
+        if self.stage == 1:
+            self.frame.body = bytes(self.view) if self.body_len else b""
+            self.stage = 2
+            if self.need_payload:
+                target = self.sink(self.need_payload)
+                self.frame.payload = target
+                if target is None:
+                    self.skip = self.need_payload
+                    self.view, self.pos = memoryview(bytearray(min(self.skip, 1 << 20))), 0
+                else:
+                    self.view, self.pos = memoryview(target.numpy()).cast("B"), 0
+                return n, None
+        return n, self._finish()
+
+    def _finish(self) -> Frame:
+        done = self.frame
+        self._start()
+        return done
+
+
+class _Conn:
+    """One connection: its stream, reader, output queue and what it is (``stage``, ``worker``)."""
+
+    def __init__(self, stream: Stream, reader: _Reader, stage: str) -> None:
+        self.stream, self.reader, self.stage = stream, reader, stage
+        self.worker: int | None = None
+        self.fits = False
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.out: deque[memoryview] = deque()
+        self.writing: Buffer | None = None  # the buffer whose payload ``out`` holds
+        self.pending: tuple[Buffer, bytes] | None = None  # the newest delivery not yet queued
+        self.born = self.seen = self.said = time.monotonic()
+
+    def push(self, data: bytes) -> None:
+        self.out.append(memoryview(data))
+
+
+class _Loop:
+    """The I/O thread's common parts: a selector, a wake-up pipe, reading and writing connections."""
+
+    heartbeat: float
+
+    selector: selectors.BaseSelector | None = None
+    thread: threading.Thread | None = None
+
+    def _setup(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+
+    def _begin(self, name: str) -> None:
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+        _live.add(self)
+
+    def _streams(self) -> list[Any]:
+        """Every stream and listener this endpoint holds open."""
+        return []
+
+    def _forget_in_child(self) -> None:
+        """In a child made by ``fork``: close this process's copies of the descriptors and touch
+        nothing else (no goodbye: the connections are the parent's)."""
+        self._state, self.cond, self.thread = "closed", threading.Condition(), None
+        for stream in self._streams():
+            try:
+                stream.close()
+            except OSError:
+                pass
+        if self.selector is not None:
+            self.selector.close()
+            self.selector = None
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
+    def _teardown(self) -> None:
+        """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made)."""
+        if self.selector is None:
+            return
+        _live.discard(self)
+        self._kick()
+        if self.thread is not None:
+            self.thread.join(30.0)
+        self.thread = None
+        self.selector.close()
+        self.selector = None
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def _kick(self) -> None:
+        """Make the I/O thread look at its queues now."""
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:  # the pipe is full (a wake-up is pending anyway) or closed
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except OSError:
+            pass
+
+    def _watch(self, conn: _Conn) -> None:
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        try:
+            if self.selector.get_key(conn.stream).events != want:
+                self.selector.modify(conn.stream, want, conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _read(self, conn: _Conn) -> list[Frame]:
+        frames, budget = [], _READ_BUDGET
+        try:
+            while budget > 0:
+                n, got = conn.reader.read(lambda view: self.read_into(conn.stream, view))
+                budget -= n
+                conn.seen = time.monotonic()
+                if got is not None:
+                    frames.append(got)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except EOFError:
+            if not frames:
+                raise
+            # the frames before the end first (an ack just before a goodbye is not lost); the
+            # next read meets the end again
+        return frames
+
+    def _flush(self, conn: _Conn, watch: bool = True) -> None:
+        """Write what the stream takes now, up to a budget (raises OSError for a broken one); with
+        ``watch`` (only in the I/O thread, which owns the selector) watch for room for the rest."""
+        budget = _WRITE_BUDGET
+        try:
+            while conn.out and budget > 0:
+                n = self.write(conn.stream, conn.out[0])
+                budget -= n
+                conn.said = time.monotonic()
+                if n < len(conn.out[0]):
+                    conn.out[0] = conn.out[0][n:]
+                    break
+                conn.out.popleft()
+                if not conn.out:
+                    self._written(conn)
+        except (BlockingIOError, InterruptedError):
+            pass
+        if watch:
+            self._watch(conn)
+
+    def _written(self, conn: _Conn) -> None:
+        """Everything queued for ``conn`` is written."""
+
+    def _idle(self, conn: _Conn, now: float) -> str | None:
+        """Ping an idle peer; the reason to drop a silent one, else None."""
+        if now - conn.seen > self.heartbeat:
+            return f"silent for {now - conn.seen:.1f} s (heartbeat {self.heartbeat:g} s)"
+        if not conn.out and now - conn.said > self.heartbeat / 4:
+            conn.push(frame(Kind.PING))
+            self._flush(conn)
+        return None
+
+    def write(self, stream: Stream, data: memoryview) -> int:
+        """Write some of ``data`` without blocking; returns how many bytes went (raise BlockingIOError for none)."""
+        return stream.send(data)
+
+    def read_into(self, stream: Stream, view: memoryview) -> int:
+        """Read some bytes into ``view`` without blocking; 0 at end of stream (raise BlockingIOError for none)."""
+        return stream.recv_into(view)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class StreamSender(_Loop, SenderBase):
+    """The sender over a byte stream: implement ``listen`` (and ``accept`` if ``listener.accept()[0]``
+    is not it; ``write``/``read_into`` if the stream is not socket-like).
+
+    ``authkey``: require the HMAC handshake with this key. ``heartbeat``: seconds of silence after
+    which a worker counts as gone.
+    """
+
+    def __init__(self, what: str, ctx: SenderContext, *, authkey: bytes | None = None,
+                 heartbeat: float = 10.0, max_buffers: int | None = None) -> None:
+        super().__init__(what, ctx, max_buffers)
+        self.authkey, self.heartbeat = authkey, heartbeat
+        self.conns: dict[int, _Conn] = {}
+        self.strangers: list[_Conn] = []  # connected, no hello yet
+        self.listener: Listener | None = None
+        self.failure: str | None = None
+
+    def listen(self) -> Listener:
+        """A listener, bound and listening; raise TransportError naming the address if it cannot be."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement listen()")
+
+    def accept(self, listener: Listener) -> Stream:
+        """A newly connected stream (raise BlockingIOError if none is waiting)."""
+        return listener.accept()[0]
+
+    # -- lifecycle (SenderBase) -----------------------------------------------------------------
+    def start(self, deadline: Deadline) -> None:
+        self.failure = None
+        self.listener = self.listen()
+        _nonblocking(self.listener)
+        self.conns, self.strangers = {}, []
+        self._setup()
+        self.selector.register(self.listener, selectors.EVENT_READ, None)
+        self._begin(f"wsync {self.what}")
+
+    def stop(self) -> None:
+        self._teardown()
+        for conn in [*self.conns.values(), *self.strangers]:
+            if not conn.out:  # never cut into a half-written frame
+                try:
+                    self.write(conn.stream, memoryview(frame(Kind.BYE)))
+                except OSError:
+                    pass
+            self._close(conn)
+        self.conns, self.strangers = {}, []
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _streams(self) -> list[Any]:
+        conns = [c.stream for c in [*self.conns.values(), *self.strangers] if c.stream is not None]
+        return conns + ([self.listener] if self.listener is not None else [])
+
+    def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        if self.failure is not None:
+            raise TransportError(f"{self.what}: {self.failure}")
+        for w in workers:
+            conn = self.conns.get(w)
+            if conn is None:
+                continue  # gone since: its Left is (or was) reported by poll
+            if conn.pending is not None:
+                self.let_go(conn.pending[0], w)  # newest wins
+            conn.pending = (buffer, header)
+            self.hold(buffer, w)
+            if conn.writing is None and not conn.out:  # idle: start here, saving a thread switch
+                try:
+                    self._queue(conn, watch=False)
+                except OSError:  # the I/O thread meets the same error and drops the connection
+                    pass
+        self._kick()  # the I/O thread writes the rest
+
+    # -- the I/O thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self.is_open:
+                ready = self.selector.select(min(1.0, self.heartbeat / 4))
+                with self.cond:
+                    if not self.is_open:
+                        return
+                    for key, mask in ready:
+                        if key.fileobj is self.listener:
+                            self._accept()
+                        elif key.data is None:
+                            self._drain_wake()
+                        else:
+                            self._serve(key.data, mask)
+                    now = time.monotonic()
+                    for conn in [*self.conns.values(), *self.strangers]:
+                        self._guard(conn, lambda c=conn: self._idle(c, now))
+                        if conn.stream is None:
+                            continue
+                        if conn.pending is not None and conn.writing is None:
+                            self._guard(conn, lambda c=conn: self._queue(c))
+                        elif conn.out:  # e.g. what publish began: write on, and watch for room
+                            self._guard(conn, lambda c=conn: self._flush(c))
+        except Exception as exc:  # noqa: BLE001 - the loop must not die silently: fail every worker
+            log.exception("%s: the I/O thread failed", self.what)
+            with self.cond:
+                self.failure = f"its I/O thread failed: {type(exc).__name__}: {exc}"
+                for w in list(self.conns):
+                    self.emit(Left(w, self.failure))
+                self.conns.clear()
+
+    def _guard(self, conn: _Conn, step: Callable[[], str | None]) -> None:
+        """Run ``step`` for ``conn``; drop the connection if it fails or returns a reason."""
+        try:
+            reason = step()
+        except EOFError:
+            reason = "it closed the connection (exited, killed, or shut down)"
+        except Violation as exc:
+            reason = f"protocol violation: {exc}"
+            log.warning("%s dropped %s: %s", self.what, _who(conn), reason)
+        except (OSError, TransportError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            self._drop(conn, reason)
+
+    def _accept(self) -> None:
+        try:
+            stream = self.accept(self.listener)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("%s could not accept a connection: %s", self.what, exc)
+            return
+        _nonblocking(stream)
+        conn = _Conn(stream, _Reader(0, lambda n: None), "auth" if self.authkey is not None else "hello")
+        conn.reader.accept = frozenset({Kind.RESPONSE} if self.authkey is not None else {Kind.HELLO})
+        if len(self.strangers) >= _MAX_STRANGERS:
+            self._drop(self.strangers[0], "too many connections that have not said hello")
+        self.strangers.append(conn)
+        self.selector.register(stream, selectors.EVENT_READ, conn)
+        if self.authkey is not None:
+            conn.push(frame(Kind.CHALLENGE, conn.nonce))
+            self._guard(conn, lambda: self._flush(conn))
+
+    def _serve(self, conn: _Conn, mask: int) -> None:
+        def step() -> None:
+            if mask & selectors.EVENT_READ:
+                for f in self._read(conn):
+                    self._frame(conn, f)
+                    if conn.stream is None:
+                        return
+            self._flush(conn)
+
+        self._guard(conn, step)
+
+    def _frame(self, conn: _Conn, f: Frame) -> None:
+        if f.kind == Kind.RESPONSE:
+            if not hmac.compare_digest(f.body[:NONCE_BYTES], _mac(self.authkey, b"receiver", conn.nonce)):
+                self._refuse(conn, "authentication failed (wrong authkey?)")
+                return
+            conn.push(frame(Kind.PROOF, _mac(self.authkey, b"sender", f.body[NONCE_BYTES:])))
+            conn.stage, conn.reader.accept = "hello", frozenset({Kind.HELLO})
+        elif f.kind == Kind.HELLO:
+            self._hello(conn, f.a, f.b)
+        elif f.kind == Kind.ACK:
+            if len(self._events) >= _MAX_EVENTS:
+                raise Violation(f"{_MAX_EVENTS} events are waiting for poll(); one ack per delivery is expected")
+            self.emit(Acked(conn.worker, f.body))
+        elif f.kind == Kind.BYE:
+            self._drop(conn, "receiver shut down")
+
+    def _hello(self, conn: _Conn, worker: int, nbytes: int) -> None:
+        if not 0 <= worker < self.ctx.num_workers:
+            self._refuse(conn, f"worker index {worker} is out of range [0, {self.ctx.num_workers})")
+            return
+        self.strangers.remove(conn)
+        old = self.conns.pop(worker, None)
+        if old is not None:  # a reconnection: the new connection wins (no Left: it is not in conns)
+            self._drop(old, f"worker {worker} connected again")
+        conn.stage, conn.worker, conn.fits = "worker", worker, nbytes == self.ctx.layout.nbytes
+        conn.reader.accept = frozenset({Kind.ACK, Kind.BYE, Kind.PING})
+        self.conns[worker] = conn
+        self.emit(Joined(worker))
+
+    def _idle(self, conn: _Conn, now: float) -> str | None:
+        if conn.worker is None and now - conn.born > self.heartbeat:  # pings do not count
+            return f"no hello within {self.heartbeat:g} s of connecting"
+        return super()._idle(conn, now)
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        log.warning("%s refused %s: %s", self.what, _who(conn), reason)
+        self._drop(conn, reason)
+
+    def _queue(self, conn: _Conn, watch: bool = True) -> None:
+        """Queue the pending delivery once the previous one is written."""
+        buffer, header = conn.pending
+        conn.pending, conn.writing = None, buffer
+        size = self.ctx.layout.nbytes if conn.fits else 0
+        conn.push(frame(Kind.DELIVER, header, len(header), size))
+        if size:
+            conn.out.append(memoryview(buffer.tensor.numpy()).cast("B"))
+        self._flush(conn, watch)
+
+    def _written(self, conn: _Conn) -> None:
+        if conn.writing is not None:
+            buffer, conn.writing = conn.writing, None
+            self.let_go(buffer, conn.worker)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        if conn.stream is None:
+            return
+        if conn in self.strangers:  # tell a peer that never joined why (best effort)
+            self.strangers.remove(conn)
+            if not conn.out:
+                try:
+                    self.write(conn.stream, memoryview(frame(Kind.BYE, reason.encode()[:MAX_REASON_BYTES])))
+                except OSError:
+                    pass
+        if conn.worker is not None and self.conns.get(conn.worker) is conn:
+            del self.conns[conn.worker]
+            self.emit(Left(conn.worker, reason))
+        for buffer in (conn.writing, conn.pending and conn.pending[0]):
+            if buffer is not None:
+                self.let_go(buffer, conn.worker)
+        conn.writing = conn.pending = None
+        try:
+            self.selector.unregister(conn.stream)
+        except (KeyError, ValueError):
+            pass
+        self._close(conn)
+
+    @staticmethod
+    def _close(conn: _Conn) -> None:
+        if conn.stream is not None:
+            try:
+                conn.stream.close()
+            except OSError:
+                pass
+            conn.stream = None
+
+
+def _nonblocking(stream: Stream | Listener) -> None:
+    """Make ``stream`` non-blocking: ``setblocking(False)`` where it has one (a socket), else its descriptor."""
+    setblocking = getattr(stream, "setblocking", None)
+    if setblocking is not None:
+        setblocking(False)
+    else:
+        os.set_blocking(stream.fileno(), False)
+
+
+def _who(conn: _Conn) -> str:
+    return f"worker {conn.worker}" if conn.worker is not None else "a peer that has not said hello"
+
+
+class StreamReceiver(_Loop, ReceiverBase):
+    """The receiver over a byte stream: implement ``connect`` (and ``write``/``read_into`` if the
+    stream is not socket-like). It connects, and reconnects whenever the connection is lost, by itself.
+
+    ``authkey``: prove it holds this key and require the sender to. ``heartbeat``: seconds of
+    silence after which the sender counts as gone (then it reconnects). ``adopt``: hand the core
+    payloads it may keep as the model's tensors (default: ``zero_copy_for(None, ctx)``).
+    """
+
+    def __init__(self, what: str, ctx: ReceiverContext, *, authkey: bytes | None = None,
+                 heartbeat: float = 10.0, adopt: bool | None = None) -> None:
+        super().__init__(what, ctx)
+        self.authkey, self.heartbeat = authkey, heartbeat
+        self.adopt = zero_copy_for(adopt, ctx)
+        self.conn: _Conn | None = None
+        self._spare: list[torch.Tensor] = []
+
+    def connect(self, timeout: float) -> Stream:
+        """A stream connected to the sender, within about ``timeout`` seconds; raise OSError if
+        the sender cannot be reached (it is tried again), TransportError if it never can be."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement connect()")
+
+    def start(self, deadline: Deadline) -> None:
+        self.clear_failure()
+        self._setup()
+        self._begin(f"wsync {self.what}")
+
+    def stop(self) -> None:
+        self._teardown()  # the I/O thread says goodbye to the sender on its way out
+        self._spare.clear()
+
+    def ack(self, data: bytes) -> None:
+        """Queue ``data`` for the sender; dropped while disconnected (the sender re-publishes on the
+        next hello, and the core acks again). Raises TransportError if the endpoint is closed, the
+        ack is over MAX_ACK_BYTES, or the sender stopped reading."""
+        if len(data) > MAX_ACK_BYTES:
+            raise TransportError(f"{self.what}: an ack of {len(data)} bytes exceeds the limit of {MAX_ACK_BYTES}")
+        with self.cond:
+            self.check_open()
+            conn = self.conn
+            if conn is None or conn.stage != "live":
+                return
+            if sum(len(v) for v in conn.out) > _MAX_BACKLOG:
+                raise TransportError(f"{self.what}: the sender has not read {_MAX_BACKLOG} bytes of acks")
+            conn.push(frame(Kind.ACK, bytes(data)))
+        self._kick()
+
+    # -- the I/O thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        delay = 0.01
+        while self.is_open:
+            try:
+                stream = self.connect(min(2.0, self.heartbeat))
+            except OSError as exc:
+                log.debug("%s: cannot reach the sender yet: %s", self.what, exc)
+                with self.cond:
+                    self.cond.wait(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            except TransportError as exc:
+                self.fail(str(exc))
+                return
+            delay = 0.01
+            reason = self._serve(stream)
+            if reason is not None:
+                self.fail(reason)
+                return
+
+    def _serve(self, stream: Stream) -> str | None:
+        """Talk to the sender over ``stream`` until it ends; returns a reason to stop for good, or None."""
+        _nonblocking(stream)
+        with self.cond:
+            conn = self.conn = _Conn(stream, _Reader(self.ctx.layout.nbytes, self._target), "auth")
+            if self.authkey is None:
+                self._live(conn)
+            else:
+                conn.reader.accept = frozenset({Kind.CHALLENGE, Kind.BYE})
+            self.selector.register(stream, selectors.EVENT_READ, conn)
+        try:
+            while self.is_open:
+                with self.cond:
+                    self._flush(conn)  # what the handshake, ack() or a ping queued
+                ready = self.selector.select(min(1.0, self.heartbeat / 4))
+                with self.cond:
+                    if not self.is_open:
+                        return None
+                    for key, mask in ready:
+                        if key.data is None:
+                            self._drain_wake()
+                        elif mask & selectors.EVENT_READ:
+                            for f in self._read(conn):
+                                reason = self._frame(conn, f)
+                                if reason is not None:
+                                    return reason
+                    self._flush(conn)
+                    silent = self._idle(conn, time.monotonic())
+                    if silent is not None:
+                        log.info("%s: the sender is %s; reconnecting", self.what, silent)
+                        return None
+        except EOFError:
+            if conn.stage == "proof":
+                return "the sender closed the connection during the handshake (wrong authkey?)"
+            return None
+        except Violation as exc:
+            return f"the sender broke the protocol: {exc}"
+        except OSError as exc:
+            log.info("%s: connection to the sender lost (%s); reconnecting", self.what, exc)
+            return None
+        finally:
+            with self.cond:
+                if not self.is_open and conn.stage == "live" and not conn.out:
+                    try:  # the sender reports Left at once
+                        self.write(conn.stream, memoryview(frame(Kind.BYE)))
+                    except OSError:
+                        pass
+                self._hang_up()
+        return None
+
+    def _live(self, conn: _Conn) -> None:
+        conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE})
+        conn.push(frame(Kind.HELLO, a=self.ctx.worker_idx, b=self.ctx.layout.nbytes))
+
+    def _frame(self, conn: _Conn, f: Frame) -> str | None:
+        if f.kind == Kind.CHALLENGE and self.authkey is None:
+            return "the sender requires authentication: give this worker the sender's authkey"
+        if f.kind == Kind.CHALLENGE:
+            if conn.stage != "auth":
+                raise Violation("a second challenge")
+            conn.push(frame(Kind.RESPONSE, _mac(self.authkey, b"receiver", f.body) + conn.nonce))
+            conn.stage, conn.reader.accept = "proof", frozenset({Kind.PROOF, Kind.BYE})
+        elif f.kind == Kind.PROOF:
+            if not hmac.compare_digest(f.body, _mac(self.authkey, b"sender", conn.nonce)):
+                return "the sender failed authentication (wrong authkey?)"
+            self._live(conn)
+        elif f.kind == Kind.BYE:
+            hint = " (does this worker have an authkey and the sender none?)" if conn.stage == "auth" else ""
+            if f.body:
+                return f"the sender refused this worker: {f.body.decode('utf-8', 'replace')}{hint}"
+            raise EOFError("the sender shut down")
+        elif f.kind == Kind.DELIVER:
+            payload = f.payload
+            if payload is None and f.b == 0 == self.ctx.layout.nbytes:
+                self.put(Delivery(f.body, torch.empty(0, dtype=torch.uint8)))
+            elif payload is None:  # another size than this model: the core names the mismatch
+                self.put(Delivery(f.body, torch.empty(f.b, dtype=torch.uint8, device="meta")))
+            else:
+                self.put(Delivery(f.body, payload, self._releaser(payload), adoptable=self.adopt))
+        return None
+
+    def _streams(self) -> list[Any]:
+        return [self.conn.stream] if self.conn is not None else []
+
+    def _target(self, size: int) -> torch.Tensor | None:
+        if size != self.ctx.layout.nbytes:
+            return None
+        with self.cond:
+            return self._spare.pop() if self._spare else torch.empty(size, dtype=torch.uint8)
+
+    def _releaser(self, payload: torch.Tensor) -> Callable[[], None]:
+        done = []
+
+        def release() -> None:
+            with self.cond:
+                if not done and self.is_open and len(self._spare) < 2:
+                    self._spare.append(payload)
+                done.append(True)
+
+        return release
+
+    def _hang_up(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            self.selector.unregister(conn.stream)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.stream.close()
+        except OSError:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    for endpoint in list(_live):
+        endpoint._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
