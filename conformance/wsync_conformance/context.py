@@ -21,7 +21,7 @@ from .guarantees import violated
 from .models import ModelSpec, build, digests, fill
 from .target import Target
 
-__all__ = ["Context", "Session", "RawSender", "classify"]
+__all__ = ["Context", "Session", "RawSender", "classify", "raw_receiver", "send_expect_timeout"]
 
 
 def classify(got: dict[str, str], expected: dict[int, dict[str, str]]) -> tuple[str, Any]:
@@ -246,3 +246,22 @@ def send_expect_timeout(session: Session, missing: list[int], **kw: Any) -> tupl
     except WorkerTimeoutError as exc:
         return exc, time.monotonic() - t0
     raise violated("live", f"send() returned although workers {missing} never received")
+
+
+def raw_receiver(wsync: Context) -> tuple[RawSender, harness.Worker, dict]:
+    """One receiver connected to a raw sender (which can publish anything) and holding its version
+    0; returns the sender, the receiver and the receiver's digests."""
+    from wsync_core import WeightSyncScheme
+
+    from .models import fill_version, version_spec
+
+    spec = version_spec()
+    raw = RawSender(wsync, spec, 1)
+    (w,) = wsync.workers(1)
+    w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
+    w.call_async("connect", timeout=wsync.timeout)
+    raw.wait_joined([0])
+    fill_version(raw.model, 3)
+    raw.publish(raw.header(0), [0])
+    w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
+    return raw, w, w.snapshot()["digests"]
