@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="transport option (repeatable)")
     p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
+    p.add_argument("--thorough", action="store_true", help="the longer run (see docs/conformance.md)")
     p.add_argument("-k", dest="keyword", default=None, help="only run tests matching this pytest -k expression")
     p.set_defaults(func=_delegate("wsync_conformance.cli", "wsync-conformance"))
 

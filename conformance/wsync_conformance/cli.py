@@ -23,6 +23,8 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--wsync-guarantee", g]
     if getattr(args, "profile", None):
         out += ["--hypothesis-profile", args.profile]
+    if getattr(args, "thorough", False) or getattr(args, "profile", None) == "thorough":
+        out += ["--thorough"]
     if getattr(args, "keyword", None):
         out += ["-k", args.keyword]
     return out
@@ -46,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     collector = Collector()
     code = pytest.main(pytest_args(args), plugins=[collector])
     results = collector.by_guarantee()
-    profile = getattr(args, "profile", None) or "ci"
+    profile = getattr(args, "profile", None) or ("thorough" if getattr(args, "thorough", False) else "ci")
     header = f"wsync conformance: {label}, device {getattr(args, 'device', None) or 'cpu'}, profile {profile}"
     print()
     print(format_table(results, header, declared))
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
+    p.add_argument("--thorough", action="store_true", help="the longer run: thorough profile, thorough-only tests")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="seconds a call that should succeed may take")

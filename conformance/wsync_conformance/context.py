@@ -16,7 +16,7 @@ from wsync_core.protocol import Ack, Header
 from wsync_core.transport import Acked, Joined, SenderContext
 from wsync_core.weights import flatten
 
-from . import harness
+from . import harness, watchdog
 from .guarantees import violated
 from .models import ModelSpec, build, digests, fill
 from .target import Target
@@ -69,7 +69,10 @@ class Context:
         return s
 
     def workers(self, n: int) -> list[harness.Worker]:
-        taken = harness.acquire(n, self.process)
+        """``n`` receiver runners (processes, or threads for a transport without ``processes``);
+        the time spent starting them does not count against the test's budget."""
+        with watchdog.paused():
+            taken = harness.acquire(n, self.process)
         self._workers.extend(taken)
         return taken
 
@@ -83,15 +86,24 @@ class Context:
         return s
 
     def close(self) -> None:
+        """Shut down every scheme and endpoint; return the runners to the pool (kill them if the
+        test hung: they may be stuck in the transport)."""
         errors = []
-        for closer in reversed(self._closers):
-            try:
-                closer()
-            except Exception as exc:  # keep closing the rest; reported below
-                errors.append(exc)
-        self._closers.clear()
-        harness.release(self._workers)
-        self._workers.clear()
+        try:
+            for closer in reversed(self._closers):
+                try:
+                    closer()
+                except Exception as exc:  # keep closing the rest; reported below
+                    errors.append(exc)
+        finally:
+            self._closers.clear()
+            dog = watchdog.current()
+            if dog is not None and dog.fired:
+                for w in self._workers:
+                    w.kill()
+            else:
+                harness.release(self._workers)
+            self._workers.clear()
         if errors:
             raise errors[0]
 
@@ -157,7 +169,7 @@ class Session:
             yield out
         except BaseException as exc:
             for i in idx:
-                with contextlib.suppress(harness.HarnessError):
+                with contextlib.suppress(Exception):  # the error in flight is the one to report
                     out[i] = self.workers[i].stop()
             errs = {i: r.get("errors") for i, r in out.items() if r.get("errors")}
             if errs and hasattr(exc, "add_note"):

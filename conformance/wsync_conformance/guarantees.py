@@ -1,4 +1,4 @@
-"""The ten guarantees of SPEC.md, by name, and how a test says which one it proves."""
+"""The ten guarantees (docs/guarantees.md), by name, and how a test says which one it proves."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 __all__ = ["GUARANTEES", "CAPABILITY_NAMES", "guarantee", "GuaranteeViolation", "violated"]
 
-#: name -> one line from SPEC.md
+#: name -> one line from docs/guarantees.md
 GUARANTEES: dict[str, str] = {
     "exact": "the receiver's model equals the sender's snapshot bit for bit",
     "isolated": "receivers never see what the trainer wrote but did not send",

@@ -28,11 +28,13 @@ __all__ = [
     "fill_version",
     "random_values",
     "digests",
+    "digest_of",
+    "payload_digest",
     "rich_spec",
     "version_spec",
 ]
 
-#: the dtypes SPEC.md names for the "exact" guarantee, by wire name
+#: the dtypes the "exact" guarantee covers (docs/guarantees.md), by wire name
 SPEC_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
 KINDS: tuple[str, ...] = ("module", "tensordict", "state_dict")
 SOURCES: tuple[str, ...] = ("contiguous", "transposed", "strided", "shared")
@@ -215,19 +217,11 @@ def random_values(spec: ModelSpec, seed: int, styles: Mapping[str, str] | None =
 
 def digests(model) -> dict[str, str]:
     """Key -> BLAKE2b of the tensor's raw bytes (bit-exact comparison without shipping bytes)."""
-    out = {}
-    for key, t in flatten(model).items():
-        if t.numel() == 0:
-            data = b""
-        else:
-            flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
-            data = flat.view(torch.uint8).numpy().tobytes()
-        out[key] = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return out
+    return {key: digest_of(t) for key, t in flatten(model).items()}
 
 
 def rich_spec(kind: str = "module", large_mib: int = 4) -> ModelSpec:
-    """Every SPEC dtype; 0-d, empty and large tensors; nested keys; parameters and buffers;
+    """Every dtype of the contract; 0-d, empty and large tensors; nested keys; parameters and buffers;
     transposed, strided, shared-storage and tied sources."""
     ts = [
         TensorSpec("encoder.layer0.weight", (16, 8), "float32", source="transposed"),
@@ -257,3 +251,23 @@ def version_spec(kind: str = "module", side: int = 64) -> ModelSpec:
     number, a torn model shows up as tensors holding different numbers."""
     ts = [TensorSpec(f"block{i}.weight", (side, side), ("float32", "float64", "int64")[i % 3]) for i in range(8)]
     return ModelSpec(kind, tuple(ts))
+
+
+def digest_of(t: torch.Tensor) -> str:
+    """BLAKE2b of one tensor's raw bytes (the suite's own digest, independent of wsync's checksum)."""
+    if t.numel() == 0:
+        data = b""
+    else:
+        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
+        data = flat.view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def payload_digest(payload: torch.Tensor) -> str:
+    """SHA-256 of a delivery's payload bytes ("meta" for a tensor without memory behind it)."""
+    if not isinstance(payload, torch.Tensor):
+        return f"not a tensor: {type(payload).__name__}"
+    if payload.device.type == "meta":
+        return "meta"
+    flat = payload.detach().reshape(-1).cpu().contiguous()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()

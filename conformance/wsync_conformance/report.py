@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .guarantees import CAPABILITY_NAMES, GUARANTEES, GuaranteeViolation
+from .guarantees import CAPABILITY_NAMES, GUARANTEES
 
 __all__ = ["Collector", "Outcome", "format_table"]
 
@@ -27,7 +27,8 @@ def _reason(report: pytest.TestReport, call: pytest.CallInfo) -> str:
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     if call.excinfo is not None:
         text = str(call.excinfo.value).strip() or call.excinfo.typename
-        return f"{call.excinfo.typename}: {' '.join(text.split())[:400]}"
+        first = text.splitlines()[0] if text else text
+        return f"{call.excinfo.typename}: {first[:600]}"
     return ""
 
 
@@ -47,16 +48,20 @@ class Collector:
         test = item.name
         if report.when == "call" or report.failed or report.skipped:
             status = "failed" if report.failed else "skipped" if report.skipped else "passed"
-            blamed = names
-            if report.failed and len(names) > 1:
-                # a test proving several guarantees names the broken one; any other error counts
-                # against the first it is marked with
+            blamed, hung, dog = names, "", None
+            if report.failed:
+                # an error that names the guarantee it found broken counts against that one (a hung
+                # call counts against "live"); any other error against the first the test is marked with
                 error = call.excinfo.value if call.excinfo is not None else None
-                named = isinstance(error, GuaranteeViolation) and error.guarantee in names
-                blamed = [error.guarantee] if named else names[:1]
+                named = getattr(error, "guarantee", None)
+                blamed = [named] if named in GUARANTEES else names[:1]
+            dog = getattr(item, "wsync_watchdog", None)
+            if report.failed and dog is not None and dog.message:
+                blamed, hung = ["live"], f"Hung: {dog.message}"
             prior = self.outcomes.get(item.nodeid)
             if prior is None or prior.status != "failed":
-                self.outcomes[item.nodeid] = Outcome(test, status, _reason(report, call), blamed)
+                reason = hung if report.failed and dog is not None and dog.message else _reason(report, call)
+                self.outcomes[item.nodeid] = Outcome(test, status, reason, blamed)
 
     def by_guarantee(self) -> dict[str, dict[str, Any]]:
         """guarantee -> {"status", "passed": [...], "failed": [(test, reason)], "skipped": [(test, reason)]}."""
