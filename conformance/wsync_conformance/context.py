@@ -180,7 +180,9 @@ class Session:
 
     def send(self, *, worker_ids: list[int] | None = None, weights=None, timeout: float | None = None,
              follow: list[int] | None = None) -> int:
-        """``scheme.send(...)`` while the targets (or ``follow``) receive; records the expected digests."""
+        """``scheme.send(...)`` while the targets (or ``follow``) receive; records the expected
+        digests, then checks that every target holds exactly that version (the suite's own digests,
+        computed in each receiver) and that every reference a receiver holds kept its values."""
         expected = digests(weights if weights is not None else self.model)
         targets = follow if follow is not None else (worker_ids if worker_ids is not None else None)
         with self.following(targets) as reports:
@@ -193,8 +195,22 @@ class Session:
             if r.get("errors"):
                 raise AssertionError(f"worker {i} raised while receiving version {v}: {r['errors'][0]['error']}: "
                                      f"{r['errors'][0]['message']}")
+        reached = list(range(len(self.workers))) if worker_ids is None else list(worker_ids)
+        self.check(v, reached)
+        self.check_held()
         return v
 
+    def hold(self, workers: list[int] | None = None) -> None:
+        """Receivers ``workers`` (default: all) keep a reference to each tensor of their model."""
+        for i in range(len(self.workers)) if workers is None else workers:
+            self.workers[i].hold()
+
+    def check_held(self, workers: list[int] | None = None) -> None:
+        """Every reference a receiver keeps holds a version that was sent: the model's current
+        content while it still backs the model, else the values of the last version it backed
+        (a slot is never written while a tensor that views it is alive)."""
+        for i in range(len(self.workers)) if workers is None else workers:
+            check_held(i, self.workers[i].held(), self.expected)
     def check(self, version: int, workers: list[int] | None = None, guarantee: str = "exact") -> None:
         """Every receiver in ``workers`` holds ``version`` and its exact content."""
         for i in range(len(self.workers)) if workers is None else workers:
@@ -277,3 +293,18 @@ def raw_receiver(wsync: Context) -> tuple[RawSender, harness.Worker, dict]:
     raw.publish(raw.header(0), [0])
     w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
     return raw, w, w.snapshot()["digests"]
+
+
+def check_held(worker: int, held: list[dict[str, Any]], expected: dict[int, dict[str, str]]) -> None:
+    """Raise under "isolated" if a reference worker ``worker`` keeps (``Worker.held()``) and that
+    no longer backs its model changed after the model moved on."""
+    for hold in held:
+        for key, (digest, backs, last) in hold["keys"].items():
+            if backs or last not in expected or key not in expected[last]:
+                continue
+            if digest != expected[last][key]:
+                owners = sorted(v for v, e in expected.items() if e.get(key) == digest)
+                now = f"the content of version {owners}" if owners else "content of no version sent"
+                raise violated("isolated", f"worker {worker}: a tensor it kept since version {hold['taken']} "
+                                           f"({key!r}, last backing the model at version {last}) was written after "
+                                           f"the model moved on: it now holds {now}")

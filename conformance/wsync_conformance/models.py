@@ -32,6 +32,10 @@ __all__ = [
     "payload_digest",
     "rich_spec",
     "version_spec",
+    "many_spec",
+    "oracle_spec",
+    "ORACLE_SIZES",
+    "KINDS",
 ]
 
 #: the dtypes the "exact" guarantee covers (docs/guarantees.md), by wire name
@@ -271,3 +275,34 @@ def payload_digest(payload: torch.Tensor) -> str:
         return "meta"
     flat = payload.detach().reshape(-1).cpu().contiguous()
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
+
+
+def many_spec(kind: str = "module", total_mib: float = 4.0, count: int = 36) -> ModelSpec:
+    """``count`` tensors cycling through every dtype (0-d and empty ones among them), about
+    ``total_mib`` MiB in all: a model big enough for zero-copy receivers, with many keys."""
+    per = int(total_mib * (1 << 20)) // max(1, count - 4)
+    ts = [TensorSpec("scalar.f32", (), "float32"), TensorSpec("scalar.i64", (), "int64", buffer=True),
+          TensorSpec("empty.f16", (0, 4), "float16"), TensorSpec("empty.u8", (0,), "uint8", buffer=True)]
+    for i in range(count - len(ts)):
+        dtype = SPEC_DTYPES[i % len(SPEC_DTYPES)]
+        itemsize = DTYPES[dtype].itemsize
+        cols = 256 // itemsize if itemsize < 8 else 32
+        rows = max(1, per // (cols * itemsize))
+        floating = dtype in ("float64", "float32", "float16", "bfloat16")
+        ts.append(TensorSpec(f"layer{i // 6}.t{i}", (rows, cols), dtype, buffer=not floating))
+    return ModelSpec(kind, tuple(ts))
+
+
+#: the models the oracle tests draw from: tiny, every dtype with odd shapes, and >= 4 MiB with many tensors
+ORACLE_SIZES: tuple[str, ...] = ("tiny", "rich", "large")
+
+
+def oracle_spec(size: str, kind: str = "module") -> ModelSpec:
+    """A model of one of ``ORACLE_SIZES``."""
+    if size == "tiny":
+        return ModelSpec(kind, (TensorSpec("w", (3,), "float32"), TensorSpec("b", (), "int8", buffer=True)))
+    if size == "rich":
+        return rich_spec(kind, 0)
+    if size == "large":
+        return many_spec(kind, 4.0)
+    raise ValueError(f"oracle model size must be one of {ORACLE_SIZES}, got {size!r}")

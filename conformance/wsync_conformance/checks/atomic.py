@@ -9,7 +9,8 @@ from wsync_core import SchemaMismatchError, TransportError
 
 from ..context import Context, Session, classify, raw_receiver
 from ..guarantees import guarantee, violated
-from ..models import ModelSpec, TensorSpec, build, digests, fill_version, version_spec
+from ..models import ModelSpec, TensorSpec, build, digests, fill_version, many_spec, random_values, version_spec
+from .base import budget
 
 __all__ = ["AtomicChecks"]
 
@@ -118,3 +119,33 @@ class AtomicChecks:
                                          f"expected {error}")
             if w.snapshot()["digests"] != before:
                 raise violated("atomic", f"a payload with {what} changed the receiver's model")
+
+    @guarantee("atomic")
+    @budget(seconds=30)
+    def test_atomic_overlapping_large_async_sends(self, wsync: Context) -> None:
+        """Eight asynchronous sends of a >= 1 MiB model, issued without waiting (they overlap in
+        the transport), while receivers apply in a loop: every version a receiver applies is whole,
+        and each ends on the newest."""
+        wsync.require("async_send")
+        s = wsync.session(many_spec("module", 1.5, count=12), n=2, sync=False)
+        with s.following(record=True) as reports:
+            handles = []
+            for v in range(1, 9):
+                s.fill(random_values(s.spec, 3000 + v))
+                s.expected[v] = digests(s.model)
+                handles.append(s.scheme.send_async())
+                s.fill(random_values(s.spec, 3500 + v))  # the trainer moves on at once
+            for h in handles:
+                h.wait()
+        for i, r in reports.items():
+            if r.get("errors"):
+                raise AssertionError(f"worker {i} raised while receiving: {r['errors'][0]}")
+            previous = 0
+            for applied, _, got in r["records"]:
+                if applied <= previous:
+                    raise violated("versioned", f"worker {i} applied version {applied} after {previous}")
+                previous = applied
+                kind, detail = classify(got, s.expected)
+                if kind != "match" or detail != applied:
+                    raise violated("atomic", f"worker {i} applied version {applied} and held {kind} {detail}")
+        s.check(8, guarantee="atomic")

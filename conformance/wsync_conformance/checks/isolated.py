@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-
 from ..context import Context
 from ..guarantees import guarantee, violated
-from ..models import build, digests, fill, random_values, rich_spec
+from ..models import build, digests, fill, many_spec, random_values, rich_spec
+from .base import budget
 
 __all__ = ["IsolatedChecks"]
 
@@ -62,3 +62,20 @@ class IsolatedChecks:
         if digests(s.model) != before:
             raise violated("isolated", "send(weights=X) changed the trainer's model")
         s.check(v, guarantee="isolated")
+
+    @guarantee("isolated")
+    @budget(seconds=30)
+    def test_isolated_kept_references(self, wsync: Context) -> None:
+        """Workers keep references to their model's tensors (>= 4 MiB, many tensors, every dtype)
+        across many later versions: a reference that still backs the model holds its current
+        version; one the model no longer uses keeps the values of the last version it backed
+        (zero-copy receivers must not reuse a slot a kept tensor still views)."""
+        s = wsync.session(many_spec("module", 4.0), n=2)
+        s.hold()
+        for step in range(1, 9):
+            s.fill(random_values(s.spec, 1000 + step))
+            targets = None if step % 3 or not wsync.caps.subset_send else [step % 2]
+            s.send(worker_ids=targets)
+            if step % 2:
+                s.hold()
+            s.check_held()

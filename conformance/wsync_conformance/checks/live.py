@@ -9,8 +9,8 @@ from wsync_core import TransportError, WorkerTimeoutError
 
 from ..context import Context, send_expect_timeout
 from ..guarantees import guarantee, violated
-from ..models import digests, fill_version, version_spec
-from .base import SLACK_S
+from ..models import digests, fill_version, many_spec, random_values, version_spec
+from .base import SLACK_S, budget
 
 __all__ = ["LiveChecks"]
 
@@ -105,3 +105,32 @@ class LiveChecks:
         s.check(2, [1], guarantee="live")
         fill_version(s.model, 3)
         s.check(s.send())
+
+    @guarantee("live")
+    @budget(seconds=30, short_timeouts=6)
+    def test_live_silent_worker_stays_connected_under_large_payloads(self, wsync: Context) -> None:
+        """Six >= 4 MiB versions sent to every worker while one never calls receive(): each send
+        names it in WorkerTimeoutError; afterwards it is still connected, gets exactly the newest
+        version when it receives, and the next send to everyone completes."""
+        s = wsync.session(many_spec("state_dict", 4.0), n=3)
+        for step in range(1, 7):
+            s.fill(random_values(s.spec, 2000 + step))
+            s.expected[s.scheme.version + 1] = digests(s.model)
+            with s.following([0, 2]):
+                exc, _ = send_expect_timeout(s, [1], timeout=wsync.short_timeout)
+            if exc.workers != [1]:
+                raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected the silent worker [1]")
+            s.check(s.scheme.version, [0, 2], guarantee="live")
+        latest = s.scheme.version
+        reply = s.workers[1].call("receive", timeout=wsync.timeout)
+        if reply.error:
+            raise violated("live", f"the silent worker's receive() raised {reply.error}: {reply.get('message')}")
+        if reply.get("result") != latest:
+            raise violated("live", f"the silent worker got version {reply.get('result')}, expected the newest ({latest})")
+        s.check(latest, [1], guarantee="live")
+        s.fill(random_values(s.spec, 2100))
+        try:
+            s.send()
+        except WorkerTimeoutError as exc:
+            raise violated("live", f"after six large payloads, a send to every worker timed out for {exc.workers}: "
+                                   f"was the silent worker dropped?") from exc
