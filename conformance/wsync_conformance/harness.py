@@ -301,13 +301,14 @@ def serve(conn, process: bool) -> None:
             elif cmd == "ep_open":
                 from wsync_core import Deadline
 
+                if endpoint is not None:
+                    endpoint.release()
+                    endpoint.endpoint.close()
                 endpoint = _Endpoint(msg)
                 t0 = time.monotonic()
-                try:
+                if msg.get("open", True):
                     endpoint.endpoint.open(Deadline(msg["timeout"]))
-                finally:
-                    took = time.monotonic() - t0
-                reply = {"opened": True, "took": took}
+                reply = {"opened": msg.get("open", True), "took": time.monotonic() - t0}
             elif cmd == "ep_recv":
                 reply = endpoint.recv(msg["timeout"], msg.get("keep", False))
             elif cmd == "ep_held":
@@ -465,7 +466,7 @@ class Worker:
         return multiprocessing.connection.Connection(sock.detach()), proc
 
     def wait_started(self, timeout: float = 180.0) -> None:
-        self.pid = self.request("ping", timeout=timeout)["pid"]
+        self.pid = self.request("ping", wait=timeout)["pid"]
 
     @property
     def label(self) -> str:
@@ -506,9 +507,10 @@ class Worker:
             self.pending = None
         return reply
 
-    def request(self, cmd: str, timeout: float = 60.0, **kw: Any) -> Reply:
+    def request(self, cmd: str, wait: float = 60.0, **kw: Any) -> Reply:
+        """Send command ``cmd`` (``kw`` as its fields) and wait up to ``wait`` seconds for the answer."""
         self.send(cmd, **kw)
-        return self.recv(timeout, f"answer to {cmd!r}")
+        return self.recv(wait, f"answer to {cmd!r}")
 
     def open(self, scheme, spec, device: str, worker_idx: int, *, init: bool = True, model_id: str | None = None,
              timeout: float = 120.0) -> Reply:

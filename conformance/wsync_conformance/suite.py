@@ -18,6 +18,7 @@ from __future__ import annotations
 from .checks import (
     AtomicChecks,
     CleanChecks,
+    EndpointChecks,
     ExactChecks,
     IsolatedChecks,
     LifecycleChecks,
@@ -45,6 +46,7 @@ class TransportSuite(
     PortableChecks,
     CleanChecks,
     SafeChecks,
+    EndpointChecks,
     SuiteBase,
 ):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .atomic import AtomicChecks
 from .base import SuiteBase
 from .clean import CleanChecks
+from .endpoint import EndpointChecks
 from .exact import ExactChecks
 from .isolated import IsolatedChecks
 from .lifecycle import LifecycleChecks
@@ -17,4 +18,4 @@ from .targeted import TargetedChecks
 from .versioned import VersionedChecks
 
 __all__ = ["SuiteBase", "ExactChecks", "IsolatedChecks", "AtomicChecks", "VersionedChecks", "LifecycleChecks",
-           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks"]
+           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks"]
