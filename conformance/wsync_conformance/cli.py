@@ -51,11 +51,17 @@ def main(args: argparse.Namespace) -> int:
     profile = getattr(args, "profile", None) or ("thorough" if getattr(args, "thorough", False) else "ci")
     header = f"wsync conformance: {label}, device {getattr(args, 'device', None) or 'cpu'}, profile {profile}"
     print()
-    print(format_table(results, header, declared))
+    capabilities = collector.by_capability(declared)
+    print(format_table(results, header, declared, capabilities))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             f.write(collector.to_json())
     failed = [g for g, r in results.items() if r["status"] == "failed"]
+    failed += [f"capability {c}" for c, r in capabilities.items() if r["status"] == "failed"]
+    selected = not (getattr(args, "keyword", None) or getattr(args, "guarantee", None))
+    untested = [c for c, r in capabilities.items() if r["status"] == "untested" and selected]
+    if untested:
+        failed.append(f"declared capabilities no test ran: {', '.join(untested)}")
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")
         return 1

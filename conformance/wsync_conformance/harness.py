@@ -183,6 +183,32 @@ class _Endpoint:
             d.release()
         return out
 
+    def shared(self, timeout: float, pointer: int, process: bool) -> dict[str, Any]:
+        """Receive one delivery and keep it; say whether its payload is the sender's buffer (same
+        process) or lies in memory mapped shared (``/proc/self/maps``)."""
+        from wsync_core import Deadline
+        from wsync_core.protocol import Header
+
+        d = self.endpoint.recv(Deadline(timeout))
+        if d is None:
+            return {"version": None}
+        self.held.append(d)
+        version = Header.decode(bytes(d.header)).version
+        p = d.payload
+        if p.device.type != "cpu":
+            return {"version": version, "shared": True, "where": str(p.device)}
+        start = p.data_ptr()
+        if not process:
+            return {"version": version, "shared": start == pointer, "where": "this process"}
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= start < hi:
+                    return {"version": version, "shared": parts[1][3] == "s",
+                            "where": line.strip()}
+        return {"version": version, "shared": False, "where": "no mapping found"}
+
     def release(self) -> int:
         n = len(self.held)
         for d in self.held:
@@ -311,6 +337,8 @@ def serve(conn, process: bool) -> None:
                 reply = {"opened": msg.get("open", True), "took": time.monotonic() - t0}
             elif cmd == "ep_recv":
                 reply = endpoint.recv(msg["timeout"], msg.get("keep", False))
+            elif cmd == "ep_shared":
+                reply = endpoint.shared(msg["timeout"], msg["pointer"], process)
             elif cmd == "ep_held":
                 from .models import payload_digest
 

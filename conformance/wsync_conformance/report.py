@@ -20,6 +20,7 @@ class Outcome:
     status: str  # passed | failed | skipped
     reason: str = ""
     guarantees: list[str] = field(default_factory=list)
+    capabilities: list[str] = field(default_factory=list)
 
 
 def _reason(report: pytest.TestReport, call: pytest.CallInfo) -> str:
@@ -61,7 +62,8 @@ class Collector:
             prior = self.outcomes.get(item.nodeid)
             if prior is None or prior.status != "failed":
                 reason = hung if report.failed and dog is not None and dog.message else _reason(report, call)
-                self.outcomes[item.nodeid] = Outcome(test, status, reason, blamed)
+                caps = [n for m in item.iter_markers("wsync_capability") for n in m.args]
+                self.outcomes[item.nodeid] = Outcome(test, status, reason, blamed, caps)
 
     def by_guarantee(self) -> dict[str, dict[str, Any]]:
         """guarantee -> {"status", "passed": [...], "failed": [(test, reason)], "skipped": [(test, reason)]}."""
@@ -78,11 +80,23 @@ class Collector:
             out[g] = entry
         return out
 
+    def by_capability(self, declared: list[str]) -> dict[str, dict[str, Any]]:
+        """declared capability -> {"status": passed|failed|skipped|untested, "tests": [(test, status, reason)]}."""
+        out = {}
+        for c in declared:
+            mine = [o for o in self.outcomes.values() if c in o.capabilities]
+            statuses = {o.status for o in mine}
+            status = ("failed" if "failed" in statuses else "passed" if "passed" in statuses
+                      else "skipped" if mine else "untested")
+            out[c] = {"status": status, "tests": [[o.test, o.status, o.reason] for o in mine]}
+        return out
+
     def to_json(self) -> str:
         return json.dumps(self.by_guarantee(), indent=2)
 
 
-def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str]) -> str:
+def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str],
+                 capabilities: dict[str, dict[str, Any]] | None = None) -> str:
     """The table ``wsync conformance`` prints: one row per guarantee, then the capabilities."""
     lines = [header, "", f"{'guarantee':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
     for g, r in results.items():
@@ -97,6 +111,16 @@ def format_table(results: dict[str, dict[str, Any]], header: str, declared: list
         else:
             detail = "no test selected"
         lines.append(f"{g:<11} {r['status']:<8} {detail}")
+    if capabilities:
+        lines += ["", f"{'capability':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
+        for c, r in capabilities.items():
+            if r["status"] in ("failed", "skipped"):
+                detail = "; ".join(f"{t}: {why}" for t, st, why in r["tests"] if st == r["status"])
+            elif r["status"] == "passed":
+                detail = ", ".join(t for t, st, _ in r["tests"] if st == "passed")
+            else:
+                detail = "declared, but no test of it ran"
+            lines.append(f"{c:<11} {r['status']:<8} {detail}")
     lines += ["", "capabilities declared: " + (", ".join(declared) or "none"),
               "not declared (their tests skip): " + (", ".join(c for c in CAPABILITY_NAMES if c not in declared)
                                                      or "none")]

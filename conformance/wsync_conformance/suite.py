@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .checks import (
     AtomicChecks,
+    CapabilityChecks,
     CleanChecks,
     EndpointChecks,
     ExactChecks,
@@ -47,6 +48,7 @@ class TransportSuite(
     CleanChecks,
     SafeChecks,
     EndpointChecks,
+    CapabilityChecks,
     SuiteBase,
 ):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""

@@ -4,6 +4,7 @@ for declared capabilities); ``TransportSuite`` is composed from them."""
 from __future__ import annotations
 
 from .atomic import AtomicChecks
+from .capabilities import CapabilityChecks
 from .base import SuiteBase
 from .clean import CleanChecks
 from .endpoint import EndpointChecks
@@ -18,4 +19,4 @@ from .targeted import TargetedChecks
 from .versioned import VersionedChecks
 
 __all__ = ["SuiteBase", "ExactChecks", "IsolatedChecks", "AtomicChecks", "VersionedChecks", "LifecycleChecks",
-           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks"]
+           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks"]

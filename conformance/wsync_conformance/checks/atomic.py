@@ -8,7 +8,7 @@ import time
 from wsync_core import SchemaMismatchError, TransportError
 
 from ..context import Context, Session, classify, raw_receiver
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import ModelSpec, TensorSpec, build, digests, fill_version, many_spec, random_values, version_spec
 from .base import budget
 
@@ -122,6 +122,7 @@ class AtomicChecks:
 
     @guarantee("atomic")
     @budget(seconds=30)
+    @capability("async_send")
     def test_atomic_overlapping_large_async_sends(self, wsync: Context) -> None:
         """Eight asynchronous sends of a >= 1 MiB model, issued without waiting (they overlap in
         the transport), while receivers apply in a loop: every version a receiver applies is whole,

@@ -8,7 +8,7 @@ from wsync_core import WorkerTimeoutError
 
 from .. import resources
 from ..context import Context, send_expect_timeout
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
 
 __all__ = ["CleanChecks"]
@@ -53,6 +53,7 @@ class CleanChecks:
             raise violated("clean", "after shutdown():\n  " + "\n  ".join(found))
 
     @guarantee("clean")
+    @capability("processes")
     def test_clean_after_receiver_exit(self, wsync: Context) -> None:
         """A receiver process that exits without shutdown(): the sender names it, and after the
         sender's shutdown nothing of either is left behind."""

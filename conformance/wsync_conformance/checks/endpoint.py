@@ -30,7 +30,7 @@ from wsync_core.weights import flatten
 
 from .. import harness
 from ..context import Context
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import ModelSpec, build, version_spec
 from .base import SLACK_S, budget
 
@@ -231,6 +231,7 @@ class EndpointChecks:
 
     @guarantee("live")
     @budget(timeouts=2)
+    @capability("processes")
     def test_endpoint_joined_acked_left(self, wsync: Context) -> None:
         """Joined when a receiver opens; Acked with exactly the bytes it sent; Left when it closes
         and (with the processes capability) when its process dies."""
@@ -250,6 +251,7 @@ class EndpointChecks:
 
     @guarantee("live")
     @budget(timeouts=2)
+    @capability("late_join")
     def test_endpoint_reconnect_same_index(self, wsync: Context) -> None:
         """A worker that goes away (closes, or its process is killed) and comes back under the same
         index is seen to join again and is served."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from .. import profiles
 from ..context import Context
-from ..guarantees import guarantee
+from ..guarantees import capability, guarantee
 from ..models import KINDS, ModelSpec, TensorSpec, fill, random_values, rich_spec
 from ..strategies import model_specs, seeds, value_styles
 
@@ -69,6 +69,7 @@ class ExactChecks:
         s.check(s.send(weights=weights))
 
     @guarantee("exact")
+    @capability("cuda")
     def test_exact_cpu_sender_cuda_receivers(self, wsync: Context) -> None:
         """A CPU trainer syncing CUDA receivers (only with --wsync-device cuda)."""
         if wsync.device != "cuda":

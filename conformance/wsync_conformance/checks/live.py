@@ -8,7 +8,7 @@ import torch
 from wsync_core import TransportError, WorkerTimeoutError
 
 from ..context import Context, send_expect_timeout
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import digests, fill_version, many_spec, random_values, version_spec
 from .base import SLACK_S, budget
 
@@ -86,6 +86,7 @@ class LiveChecks:
             raise violated("live", f"receiver connect(timeout={short}) took {took:.1f} s")
 
     @guarantee("live")
+    @capability("late_join")
     def test_live_restarted_worker_gets_latest(self, wsync: Context) -> None:
         """A worker that shuts down and comes back gets the latest version at connect (late_join)."""
         wsync.require("late_join")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from wsync_core import WorkerTimeoutError
 
 from ..context import Context
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import digests, fill_version, version_spec
 
 __all__ = ["TargetedChecks"]
@@ -16,6 +16,7 @@ class TargetedChecks:
     """The targeted tests (a mixin of ``TransportSuite``)."""
 
     @guarantee("targeted")
+    @capability("subset_send")
     def test_targeted_subset_send(self, wsync: Context) -> None:
         """``send(worker_ids=[...])`` changes exactly those workers, even while all receive. The
         model (3.5 MiB) is large enough for zero-copy receivers to keep viewing the buffer of the

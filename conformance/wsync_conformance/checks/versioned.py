@@ -7,7 +7,7 @@ import time
 from wsync_core import WorkerTimeoutError
 
 from ..context import Context, classify, send_expect_timeout
-from ..guarantees import guarantee, violated
+from ..guarantees import capability, guarantee, violated
 from ..models import digests, fill_version, version_spec
 
 __all__ = ["VersionedChecks"]
@@ -79,6 +79,7 @@ class VersionedChecks:
         s.check(s.scheme.version)
 
     @guarantee("versioned")
+    @capability("async_send")
     def test_versioned_async_send(self, wsync: Context) -> None:
         """With sync=False, send() returns at the snapshot; send_async().wait() returns the version."""
         wsync.require("async_send")
