@@ -209,13 +209,14 @@ class _Endpoint:
                             "where": line.strip()}
         return {"version": version, "shared": False, "where": "no mapping found"}
 
-    def release(self) -> int:
-        n = len(self.held)
-        for d in self.held:
+    def release(self, keep_last: int = 0) -> int:
+        """Release the held deliveries but the newest ``keep_last``; returns how many it released."""
+        cut = max(0, len(self.held) - keep_last)
+        gone, self.held = self.held[:cut], self.held[cut:]
+        for d in gone:
             if d.release is not None:
                 d.release()
-        self.held.clear()
-        return n
+        return len(gone)
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -344,7 +345,7 @@ def serve(conn, process: bool) -> None:
 
                 reply = {"digests": [payload_digest(d.payload) for d in endpoint.held]}
             elif cmd == "ep_release":
-                reply = {"released": endpoint.release()}
+                reply = {"released": endpoint.release(msg.get("keep_last", 0))}
             elif cmd == "ep_ack":
                 endpoint.endpoint.ack(base64.b64decode(msg["data"]))
                 reply = {"acked": True}
