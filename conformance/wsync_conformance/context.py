@@ -221,8 +221,13 @@ class Session:
             bad = sorted(k for k in want if snap["digests"].get(k) != want[k])
             if bad:
                 kind, detail = classify(snap["digests"], self.expected)
+                if kind == "match":  # a whole other version: the report and the content disagree
+                    raise violated("versioned", f"worker {i} reports version {version} but holds exactly version "
+                                                f"{detail}")
+                if kind == "mixed":
+                    raise violated("atomic", f"worker {i} at version {version} holds a mix of versions: {detail}")
                 raise violated(guarantee, f"worker {i} at version {version}: keys {bad} differ from the sender's "
-                                          f"snapshot ({kind}: {detail})")
+                                          f"snapshot (content of no version sent in {detail})")
 
 
 class RawSender:

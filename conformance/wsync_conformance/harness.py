@@ -204,8 +204,8 @@ class _Endpoint:
             for line in f:
                 parts = line.split(None, 5)
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= start < hi:
-                    return {"version": version, "shared": parts[1][3] == "s",
+                if lo <= start < hi:  # shared, or mapped from a file (copy-on-write): no copy was made
+                    return {"version": version, "shared": parts[1][3] == "s" or parts[4] != "0",
                             "where": line.strip()}
         return {"version": version, "shared": False, "where": "no mapping found"}
 

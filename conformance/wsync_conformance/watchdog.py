@@ -72,22 +72,31 @@ def diagnose(skip: set[int] = frozenset()) -> tuple[str, list[str]]:
     from . import harness
 
     names = {t.ident: t.name for t in threading.enumerate()}
-    calls, details = [], []
-    for ident, frame in sys._current_frames().items():
+    main_id = threading.main_thread().ident
+    here: list[str] = []  # the test's own thread first, then the others (receiver threads last)
+    others: list[str] = []
+    details: list[str] = []
+    frames = sys._current_frames()
+    for ident in sorted(frames, key=lambda i: (i != main_id, names.get(i) == "wsync-conformance-receiver")):
         if ident in skip:
             continue
+        frame = frames[ident]
         hit = _endpoint_call(frame)
         if hit is not None:
-            calls.append(f"{hit[0]} did not return (thread {names.get(ident, ident)!r}, now at {hit[1]})")
+            line = f"{hit[0]} did not return (thread {names.get(ident, ident)!r}, now at {hit[1]})"
+            (here if ident == main_id else others).append(line)
         details.append(f"thread {names.get(ident, ident)!r}:\n" + "".join(traceback.format_stack(frame)[-12:]))
+    runners: list[str] = []
     for worker, what in harness.waiting():
         stack = worker.dump_stack()
         hit = harness.hung_call(stack)
         if hit is not None and "recv_bytes" in hit:
             continue  # idle: waiting for its next command
         where = f", stuck in {hit}" if hit else ""
-        calls.append(f"receiver runner {worker.label} gave no answer to {what}{where}")
+        runners.append(f"receiver runner {worker.label} gave no answer to {what}{where}")
         details.append(f"receiver runner {worker.label}:\n{stack}")
+    # the culprit: the test's own call into the transport; else a runner it waits for; else any thread
+    calls = here or runners or others
     if not calls:
         main = sys._current_frames().get(threading.main_thread().ident)
         if main is not None:
