@@ -21,7 +21,7 @@ from wsync_core.transport import Joined
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
-           "SharedAdoptable"]
+           "SharedAdoptable", "EagerReceiver"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -346,3 +346,21 @@ SELECT: dict[str, str] = {
     "EndpointInOptions": "test_portable_pickles",
     "SharedAdoptable": "test_isolated_kept_references",
 }
+
+
+class _EagerReceiver(_Receiver):
+    """Connects and announces itself when built, not in open(): init_on_receiver() half-connects."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        from wsync_core import Deadline
+
+        super().open(Deadline(5.0))
+
+    def open(self, deadline) -> None:
+        pass
+
+
+EagerReceiver = _transport("EagerReceiver", receiver=_EagerReceiver)
+BROKEN["EagerReceiver"] = "ordered"
+SELECT["EagerReceiver"] = "test_ordered_init_does_not_connect"

@@ -45,7 +45,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["KINDS", "Worker", "Reply", "HarnessError", "acquire", "release", "close_pool", "receivers",
-           "waiting", "hung_call", "kill_all", "serve"]
+           "waiting", "hung_call", "kill_all", "serve", "die_with_parent", "start_process", "launch", "Processes",
+           "process_fixture", "ScriptProcess", "script_workers"]
 
 #: how a receiver runner is started
 KINDS: tuple[str, ...] = ("thread", "fork", "spawn", "launched")
@@ -70,12 +71,15 @@ def _install_audit_hook() -> None:
         _audit["installed"] = True
 
 
-def die_with_parent(parent: int, stack_file: str | None = None) -> None:
+def die_with_parent(parent: int | None, stack_file: str | None = None) -> None:
     """In a runner process: be killed when ``parent`` dies (kernel signal, and a watch thread for
-    the moment before it was set); dump every stack to ``stack_file`` on SIGUSR1."""
+    the moment before it was set; None: whatever process is the parent now); dump every stack to
+    ``stack_file`` on SIGUSR1."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is None:
+        parent = os.getppid()
     if os.getppid() != parent:
         os._exit(1)
 
@@ -772,6 +776,78 @@ def receivers(n: int, kind: str = "spawn", prefix: Sequence[str] = ()) -> Iterat
 
 
 atexit.register(close_pool)
+
+
+# -- any receiver code of a plugin's own tests ------------------------------------------------------
+
+
+def _run_target(parent: int | None, target, args: tuple) -> None:
+    die_with_parent(parent)
+    target(*args)
+
+
+def start_process(target, *args: Any, kind: str = "spawn", daemon: bool = True):
+    """Run ``target(*args)`` in a new ``kind`` ("spawn", "fork" or "forkserver") process that dies
+    with this one; returns the started ``multiprocessing.Process``. ``target`` must be importable."""
+    ctx = multiprocessing.get_context(kind)
+    parent = None if kind == "forkserver" else os.getpid()  # a forkserver child's parent is the server
+    proc = ctx.Process(target=_run_target, args=(parent, target, args), daemon=daemon)
+    proc.start()
+    return proc
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def launch(argv: Sequence[str], prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen([*prefix, *argv], **popen)`` for a process launched on its own (a script,
+    behind e.g. ``ip netns exec NAME``), killed by the kernel if this process dies."""
+    if sys.platform.startswith("linux"):
+        popen.setdefault("preexec_fn", _set_pdeathsig)
+    return subprocess.Popen([*prefix, *argv], **popen)
+
+
+class Processes:
+    """Processes started for one test: ``start(target, *args)`` gives each a command pipe (its last
+    argument) and returns (process, the parent's end); ``close()`` kills and joins them all."""
+
+    def __init__(self, kind: str = "spawn") -> None:
+        self.ctx = multiprocessing.get_context(kind)
+        self.kind = kind
+        self.started: list[tuple[Any, Any]] = []
+
+    def start(self, target, *args: Any):
+        parent, child = self.ctx.Pipe()
+        proc = start_process(target, *args, child, kind=self.kind)
+        child.close()
+        self.started.append((proc, parent))
+        return proc, parent
+
+    def close(self) -> None:
+        for proc, conn in self.started:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(30)
+            conn.close()
+        self.started.clear()
+
+
+def process_fixture(name: str = "spawn", kind: str = "spawn"):
+    """A pytest fixture (called ``name``) giving ``Processes(kind).start``; all killed after the test."""
+    import pytest
+
+    def fixture() -> Iterator:
+        procs = Processes(kind)
+        try:
+            yield procs.start
+        finally:
+            procs.close()
+
+    return pytest.fixture(fixture, name=name)
+
+
+from .scripts import ScriptProcess, script_workers  # noqa: E402  (the "launched" kind, for scripts)
 
 if __name__ == "__main__":
     _launched_main(sys.argv[1:])

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from wsync_core import StateError
+from wsync_core import Deadline, StateError, WeightSyncScheme
 
-from ..context import Context, Session
+from ..context import Context, RawSender, Session
 from ..guarantees import guarantee, violated
 from ..models import build, fill_version, version_spec
+from .base import SLACK_S, budget
 
 __all__ = ["OrderedChecks"]
 
@@ -87,3 +88,24 @@ class OrderedChecks:
         s.check(s.send(), guarantee="ordered")  # still works after every refused call
         w.call("shutdown").raise_for_error("receiver shutdown()")
         expect("receive() after shutdown", "receive", timeout=0)
+
+    @guarantee("ordered")
+    @budget(short_timeouts=1)
+    def test_ordered_init_does_not_connect(self, wsync: Context) -> None:
+        """init_on_receiver() only prepares: the sender sees no worker join before its connect()
+        (a transport takes its resources and announces itself in open(), not when built)."""
+        spec = version_spec()
+        raw = RawSender(wsync, spec, 1)
+        (w,) = wsync.workers(1)
+        w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
+        deadline = Deadline(wsync.short_timeout)
+        while not deadline.expired():
+            raw._pump(deadline)
+        if 0 in raw.joined:
+            raise violated("ordered", "worker 0 joined after init_on_receiver() alone: building the receiver "
+                                      "connected it before connect() was called")
+        w.call_async("connect", timeout=wsync.timeout)
+        raw.wait_joined([0])
+        fill_version(raw.model, 1)
+        raw.publish(raw.header(1), [0])
+        w.recv(wsync.timeout + SLACK_S).raise_for_error("receiver connect() after init_on_receiver()")
