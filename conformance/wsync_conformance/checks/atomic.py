@@ -10,7 +10,7 @@ from wsync_core import SchemaMismatchError, TransportError
 from ..context import Context, Session, classify, raw_receiver
 from ..guarantees import capability, guarantee, violated
 from ..models import ModelSpec, TensorSpec, build, digests, fill_version, many_spec, random_values, version_spec
-from .base import budget
+from .base import budget, thorough
 
 __all__ = ["AtomicChecks"]
 
@@ -150,3 +150,26 @@ class AtomicChecks:
                 if kind != "match" or detail != applied:
                     raise violated("atomic", f"worker {i} applied version {applied} and held {kind} {detail}")
         s.check(8, guarantee="atomic")
+
+    @guarantee("atomic")
+    @thorough()
+    def test_atomic_soak(self, wsync: Context) -> None:
+        """(--thorough) 150 sends of a 4 MiB model (asynchronous where the transport can) while
+        receivers apply in a loop and keep references: never a mix, never a changed reference."""
+        async_ = wsync.caps.async_send
+        s = wsync.session(many_spec("tensordict", 4.0), n=3, sync=not async_)
+        with s.following(record=True) as reports:
+            for v in range(1, 151):
+                s.fill(random_values(s.spec, 5000 + v))
+                s.expected[v] = digests(s.model)
+                handle = s.scheme.send_async() if async_ else None
+                if handle is None:
+                    s.scheme.send()
+                elif v % 10 == 0:
+                    handle.wait()
+        for i, r in reports.items():
+            for applied, _, got in r["records"]:
+                kind, detail = classify(got, s.expected)
+                if kind != "match" or detail != applied:
+                    raise violated("atomic", f"worker {i} applied version {applied} and held {kind} {detail}")
+        s.check(150, guarantee="atomic")

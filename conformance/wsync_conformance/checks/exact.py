@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from .. import profiles
 from ..context import Context
 from ..guarantees import capability, guarantee
-from ..models import KINDS, ModelSpec, TensorSpec, fill, random_values, rich_spec
+from ..models import KINDS, ModelSpec, TensorSpec, fill, many_spec, random_values, rich_spec
 from ..strategies import model_specs, seeds, value_styles
+from .base import thorough
 
 __all__ = ["ExactChecks"]
 
@@ -78,3 +78,12 @@ class ExactChecks:
         s = wsync.session(rich_spec("module", 1), receiver_device="cuda")
         s.fill(random_values(s.spec, 7))
         s.check(s.send())
+
+    @guarantee("exact")
+    @thorough()
+    def test_exact_large_model(self, wsync: Context) -> None:
+        """(--thorough) A 64 MiB model of 200 tensors in every dtype, three versions: exact each time."""
+        s = wsync.session(many_spec("module", 64.0, count=200), n=2)
+        for seed in range(3):
+            s.fill(random_values(s.spec, 4000 + seed))
+            s.send()
