@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROJECTS := . conformance $(sort $(dir $(wildcard plugins/*/pyproject.toml contrib/*/pyproject.toml)))
+PROJECTS := . conformance benchmarks $(sort $(dir $(wildcard plugins/*/pyproject.toml contrib/*/pyproject.toml)))
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test bench clean

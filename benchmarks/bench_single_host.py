@@ -1,8 +1,8 @@
-"""Single-host benchmark (issue 4): ``shm`` and ``mp`` against memcpy and TorchRL, targets checked.
+"""Single-host benchmark: ``shm`` and ``mp`` against memcpy and TorchRL, targets checked.
 
     .venv/bin/python benchmarks/bench_single_host.py [--sizes 10KiB,512MiB] [--repeat 10] [--json FILE]
 
-A thin layer over ``wsync_core.bench`` (the same harness as ``wsync bench``): one run with 2
+A thin layer over ``wsync_bench.harness`` (the same harness as ``wsync bench``): one run with 2
 worker processes (shm, mp, TorchRL's SharedMem and MultiProcess schemes), one with shm and 8
 workers, then the issue's targets, each with the figure it was judged on. The smallest size is
 judged against the small-model targets, the largest against the large-model ones.
@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from wsync_core import bench
+import wsync_bench.harness as bench
 
 
 #: sender memory beyond the payload's slots that the memory target allows
@@ -36,7 +36,11 @@ def _target(name: str, ok: bool | None, figure: str) -> dict[str, Any]:
 
 
 def check_targets(two: bench.Report, eight: bench.Report) -> list[dict[str, Any]]:
-    """Issue 4's targets against the two runs; a target whose rows are missing is 'n/a'."""
+    """The single-host targets against the two runs; a target whose rows are missing is 'n/a'.
+
+    The memcpy floor copies with as many torch threads as the sender's snapshot (both are shown),
+    and an isolated update needs one copy: 1.1x that floor. Zero-copy receivers defer page
+    faults to the worker's first read of the weights, so that read is judged too."""
     sizes = sorted({r.nbytes for r in two.rows})
     small, large = sizes[0], sizes[-1]
     s, lg = bench.format_size(small), bench.format_size(large)
@@ -54,9 +58,21 @@ def check_targets(two: bench.Report, eight: bench.Report) -> list[dict[str, Any]
         fig = "-" if r is None else f"{r.median_s * 1e3:.3f} ms"
         out.append(_target(f"{system} {bench.format_size(nbytes)} within {limit_ms} ms", ok, fig))
 
-    ratio("shm", large, 1.25)
+    def first_read(system: str, nbytes: int, limit: float) -> None:
+        r, floor = _row(two, system, nbytes), _row(two, "memcpy", nbytes)
+        ok = fig = None
+        if r is not None and floor is not None and r.first_read_s is not None and floor.median_s:
+            extra = r.first_read_s - (r.warm_read_s or 0.0)
+            ok = extra <= limit * floor.median_s
+            fig = (f"first read {r.first_read_s * 1e3:.1f} ms, warm {r.warm_read_s * 1e3:.1f} ms: "
+                   f"{extra / floor.median_s:.2f}x memcpy deferred to the first read")
+        out.append(_target(f"{system} {bench.format_size(nbytes)}: the worker's first read costs <= {limit}x "
+                           f"memcpy more than a warm one", ok, fig or "-"))
+
+    for system in ("shm", "mp"):
+        ratio(system, large, 1.1)
+        first_read(system, large, 0.5)
     latency("shm", small, 0.2)
-    ratio("mp", large, 2.5)
     mp = _row(two, "mp", large)
     for theirs in bench.TORCHRL_SCHEMES:
         t = _row(two, theirs, large)
@@ -127,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     eight = bench.run(bench.BenchConfig(["shm"], sizes, workers=8, repeat=args.repeat))
     targets = check_targets(two, eight)
     floors = {n: notify_floor(n) for n in (2, 8)}
+    memcpy = _row(two, "memcpy", sizes[-1])
+    print(f"threads: the sender's snapshot and the memcpy floor both copy with {memcpy.threads if memcpy else '?'} "
+          f"torch threads; workers run 1 (as TorchRL's collectors)")
     print("2 workers\n" + bench.format_table(two) + "\n\n8 workers\n" + bench.format_table(eight) + "\n")
     width = max(len(t["target"]) for t in targets)
     for t in targets:

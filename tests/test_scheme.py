@@ -1,4 +1,4 @@
-"""The ten guarantees of SPEC.md for the reference transport, proved on the core's own tests."""
+"""The ten guarantees (docs/guarantees.md) for the reference transport, proved on the core's own tests."""
 
 from __future__ import annotations
 

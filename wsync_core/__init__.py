@@ -1,7 +1,9 @@
 """wsync: keep a model's weights in sync between a trainer and many workers.
 
-Exact, isolated, atomic, versioned: see ``WeightSyncScheme``. Transports are plugins found
-through the ``wsync`` entry-point group; ``list_transports()`` shows what is installed.
+Users: ``WeightSyncScheme`` (docs/api.md; the ten guarantees: docs/guarantees.md). Transports are
+plugins found through the ``wsync`` entry-point group; ``list_transports()`` shows what is
+installed. Transport authors: every name of the interface (docs/writing-a-transport.md) is
+importable from here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .layout import Layout
+from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .registry import TransportInfo, get_transport, list_transports
 from .report import SendReport
 from .scheme import SendHandle, WeightSyncScheme
@@ -26,6 +29,7 @@ from .transport import (
     Acked,
     Capabilities,
     Delivery,
+    Event,
     Joined,
     Left,
     ReceiverContext,
@@ -65,8 +69,11 @@ __all__ = [
     "Joined",
     "Acked",
     "Left",
+    "Event",
     "Deadline",
     "Layout",
     "free_port",
     "zero_copy_for",
+    "MAX_HEADER_BYTES",
+    "MAX_ACK_BYTES",
 ]

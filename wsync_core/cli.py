@@ -1,14 +1,14 @@
-"""The ``wsync`` command: ``transports``, ``conformance`` and ``bench``."""
+"""The ``wsync`` command: ``transports``, and the commands installed plugins register
+(``wsync_register_commands``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
 
-from .registry import list_transports
+from .registry import list_commands, list_transports
 
 __all__ = ["main"]
 
@@ -28,50 +28,32 @@ def _transports(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, dist: str):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as exc:
-            print(f"wsync: this command needs {dist} ({exc}); install it with: pip install {dist}", file=sys.stderr)
-            return 2
-        return mod.main(args)
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """``wsync transports`` and every command an installed plugin registered."""
     parser = argparse.ArgumentParser(prog="wsync", description="Keep model weights in sync between a trainer and workers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("transports", help="list installed transports, their capabilities and load errors")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_transports)
-
-    p = sub.add_parser("conformance", help="run the conformance suite against a transport")
-    p.add_argument("name", help="transport name (see `wsync transports`)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="transport option (repeatable)")
-    p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
-    p.add_argument("--thorough", action="store_true", help="the longer run (see docs/conformance.md)")
-    p.add_argument("-k", dest="keyword", default=None, help="only run tests matching this pytest -k expression")
-    p.set_defaults(func=_delegate("wsync_conformance.cli", "wsync-conformance"))
-
-    p = sub.add_parser("bench", help="time transports side by side on this machine")
-    p.add_argument("--transports", default="shm,mp")
-    p.add_argument("--sizes", default="10KiB,64MiB,512MiB")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--compare", default="", help="comma-separated: torchrl")
-    p.add_argument("--json", dest="json_file", default=None, metavar="FILE")
-    p.add_argument("--plot", default=None, metavar="FILE.png")
-    p.set_defaults(func=_delegate("wsync_core.bench", "wsync-core[bench]"))
+    for name, command in sorted(list_commands().items()):
+        p = sub.add_parser(name, help=command.help)
+        command.configure(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``wsync ARGV``; an unknown command says which ones are installed and how to add more."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    known = {"transports", *list_commands()}
+    if argv and not argv[0].startswith("-") and argv[0] not in known:
+        print(f"wsync: no command {argv[0]!r}; installed: {', '.join(sorted(known))}. Plugins add commands: "
+              f"by convention the distribution wsync-{argv[0]} provides it (pip install wsync-{argv[0]}).",
+              file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pluggy
 
-__all__ = ["hookspec", "hookimpl", "wsync_register_transports"]
+__all__ = ["hookspec", "hookimpl", "wsync_register_transports", "wsync_register_commands"]
 
 hookspec = pluggy.HookspecMarker("wsync")
 hookimpl = pluggy.HookimplMarker("wsync")
@@ -25,4 +25,12 @@ def wsync_register_transports(register: Callable[[type], None]) -> None:
     """Register transports: call ``register(TransportClass)`` once for each.
 
     The class subclasses ``wsync_core.Transport`` and sets ``name`` and ``capabilities``.
+    """
+
+
+@hookspec
+def wsync_register_commands(register: Callable[..., None]) -> None:
+    """Register subcommands of the ``wsync`` command: call ``register(name, help, configure, run)``
+    once for each, where ``configure(parser)`` adds the command's arguments to an
+    ``argparse.ArgumentParser`` and ``run(args)`` does the work and returns the exit status.
     """

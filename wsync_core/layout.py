@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .errors import SchemaMismatchError
+from .lease import exclusive
 
 __all__ = ["Entry", "Layout", "ALIGN", "DTYPES"]
 
@@ -224,27 +225,57 @@ class Layout:
         """Make each target a view of the flat ``buffer`` instead of copying into it, where it can.
 
         A target keeps its Python object (a Parameter stays the module's Parameter); its storage
-        becomes the buffer's. Targets that cannot (another device, a view of another tensor,
-        shared or pinned memory, a tensor subclass, a non-leaf) are copied into as by ``unpack``.
-        Returns the adopted ones.
+        becomes the buffer's. A target is copied into instead, as by ``unpack``, when re-pointing
+        it would leave another holder of its memory behind (a view, a state_dict entry or alias,
+        a tensor the worker kept: they must keep seeing the model's values) or when it cannot be
+        re-pointed (another device, shared or pinned memory, a subclass, a non-leaf). All or
+        nothing: if a copy fails, every re-pointed target gets its old memory back. Returns the
+        adopted targets.
         """
+        tensors = [targets[e.key] for e in self._filled]
+        alone = exclusive(tensors)
         adopted: list[torch.Tensor] = []
+        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         dsts, srcs = [], []
         with torch.no_grad():
-            for e in self._filled:
-                t = targets[e.key]
-                view = self.view(buffer, e)
-                if _adoptable(t, buffer):
-                    try:
-                        t.data = view
-                        adopted.append(t)
-                        continue
-                    except RuntimeError:  # a tensor torch will not re-point: copy into it like the rest
-                        pass
-                dsts.append(t)
-                srcs.append(view)
-        _copy_all(dsts, srcs)
+            try:
+                for e, t, mine in zip(self._filled, tensors, alone):
+                    view = self.view(buffer, e)
+                    if mine and _adoptable(t, buffer):
+                        old = t.data
+                        try:
+                            t.data = view
+                        except RuntimeError:  # a tensor torch will not re-point: copy into it like the rest
+                            pass
+                        else:
+                            undo.append((t, old))
+                            adopted.append(t)
+                            continue
+                    dsts.append(t)
+                    srcs.append(view)
+                _copy_all(dsts, srcs)
+            except BaseException:
+                for t, old in reversed(undo):
+                    t.data = old
+                raise
         return adopted
+
+    def check_writable(self, targets: Mapping[str, torch.Tensor], *, context: str) -> None:
+        """Raise SchemaMismatchError naming every target a payload cannot be written into in place
+        (its elements share memory, as after ``expand()``; an inference tensor; the meta device), so
+        that nothing is written when one of them would fail half-way."""
+        bad = []
+        for e in self.entries:
+            t = targets[e.key]
+            if t.is_meta:
+                bad.append(f"{e.key!r} is on the meta device (it holds no data)")
+            elif t.is_inference() and not torch.is_inference_mode_enabled():
+                bad.append(f"{e.key!r} is an inference tensor (made under torch.inference_mode())")
+            elif e.nbytes and torch._debug_has_internal_overlap(t) == 1:
+                bad.append(f"{e.key!r} has elements that share memory (e.g. made by expand()); give it "
+                           f"its own memory with .clone()")
+        if bad:
+            raise SchemaMismatchError(f"{context}: the model cannot take this version in place: " + "; ".join(bad))
 
     def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         key = (buffer.data_ptr(), str(buffer.device))

@@ -7,10 +7,12 @@ transport names) turns plugins off.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,16 +22,14 @@ from . import hookspecs
 from .errors import UnknownTransportError
 from .transport import Transport
 
-__all__ = ["TransportInfo", "list_transports", "get_transport", "resolve_transport", "ENTRY_POINT_GROUP"]
+__all__ = ["TransportInfo", "Command", "list_transports", "get_transport", "resolve_transport", "list_commands",
+           "ENTRY_POINT_GROUP"]
 
 log = logging.getLogger("wsync")
 
 ENTRY_POINT_GROUP = "wsync"
 #: built-in plugin modules, registered without an entry point
 _BUILTIN = ("wsync_core.inproc",)
-#: how to install the transports this project ships
-_KNOWN = {"shm": "wsync-shm", "mp": "wsync-mp", "distributed": "wsync-distributed", "rpc": "wsync-rpc",
-          "zmq": "wsync-zmq", "files": "wsync-files"}
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,24 @@ class TransportInfo:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Command:
+    """A ``wsync`` subcommand a plugin registered: ``configure(parser)`` adds its arguments,
+    ``run(args)`` returns the exit status."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    distribution: str | None = None
+
+
 @dataclass
 class _Loaded:
     key: str
     classes: dict[str, type[Transport]]
     infos: dict[str, TransportInfo]
+    commands: dict[str, Command] = field(default_factory=dict)
 
 
 _cache: _Loaded | None = None
@@ -116,7 +129,23 @@ def _load() -> _Loaded:
             log.warning("wsync plugin %r failed to register its transports: %s", plugin, exc)
             infos.setdefault(plugin, TransportInfo(plugin, dist, dver, error=f"{type(exc).__name__}: {exc}",
                                                    plugin=plugin))
-    _cache = _Loaded(key, classes, infos)
+    commands: dict[str, Command] = {}
+    for impl in pm.hook.wsync_register_commands.get_hookimpls():
+        plugin = impl.plugin_name
+
+        def add(name: str, help: str, configure: Callable, run: Callable, _dist: str | None = origin.get(
+                plugin, (None, None))[0]) -> None:
+            if not (isinstance(name, str) and name.isidentifier() and callable(configure) and callable(run)):
+                raise TypeError(f"register(name, help, configure, run) got {name!r}, {configure!r}, {run!r}")
+            if name in commands or name == "transports":
+                raise ValueError(f"command {name!r} is already registered")
+            commands[name] = Command(name, str(help), configure, run, _dist)
+
+        try:
+            impl.function(**{arg: add for arg in impl.argnames})
+        except Exception as exc:  # a broken plugin must not break the others
+            log.warning("wsync plugin %r failed to register its commands: %s", plugin, exc)
+    _cache = _Loaded(key, classes, infos, commands)
     return _cache
 
 
@@ -136,13 +165,15 @@ def get_transport(name: str) -> type[Transport]:
     if info is not None and info.error:
         raise UnknownTransportError(f"transport {name!r} is installed ({info.distribution}) but failed to load: "
                                     f"{info.error}. Installed transports: {installed}")
-    dist = _KNOWN.get(name, f"wsync-{name}")
-    hint = f"pip install {dist}"
-    if name in _KNOWN:
-        hint += f" (from a clone of wsync: pip install -e plugins/{dist})"
+    hint = f"install the distribution that provides it, by convention wsync-{name} (pip install wsync-{name})"
     if name in _disabled():
         hint = f"it is disabled by WSYNC_DISABLE_PLUGINS={os.environ['WSYNC_DISABLE_PLUGINS']}"
     raise UnknownTransportError(f"no transport named {name!r}; installed: {installed}. To get it: {hint}")
+
+
+def list_commands() -> dict[str, Command]:
+    """The ``wsync`` subcommands installed plugins registered, by name."""
+    return dict(_load().commands)
 
 
 def resolve_transport(transport: str | Transport, options: dict[str, Any]) -> Transport:

@@ -28,6 +28,7 @@ import torch
 from .deadline import Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
 from .layout import Layout
+from .lease import LeaseBook
 from .protocol import Ack, Header, crc32
 from .registry import resolve_transport
 from .report import SendReport
@@ -43,7 +44,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
 )
-from .weights import Weights, check_strategy, flatten
+from .weights import Weights, check_strategy, flatten, materialize, meta_keys
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
 
@@ -145,7 +146,8 @@ class WeightSyncScheme:
         self._stop_service = threading.Event()
         # receiver side
         self._worker_idx: int | None = None
-        self._held = _Held()
+        self._leases = LeaseBook()
+        self._adopted = _Adopted()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"transport": self._transport, "config": dict(self._config)}
@@ -204,8 +206,7 @@ class WeightSyncScheme:
         if self._pid != os.getpid():
             if self._finalizer is not None:
                 self._finalizer.detach()
-            self._held.materialize()  # the parent still holds what the model viewed: copy it
-            self._reset()
+            self._reset()  # what the model views stays pinned by the parent while this child lives
 
     def _expect(self, state: _State, call: str) -> None:
         self._adopt_fork()
@@ -240,7 +241,7 @@ class WeightSyncScheme:
             raise
         self._endpoint = endpoint
         self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock, self._pid,
-                                           self._held)
+                                           self._adopted, self._leases)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
@@ -269,6 +270,11 @@ class WeightSyncScheme:
                 raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
             source = model if model is not None else weights
             tensors = flatten(source, self.strategy)
+            meta = meta_keys(tensors)
+            if meta:
+                raise ValueError(f"init_on_sender(): the weights to send are on the meta device and hold no data "
+                                 f"({_clip(meta)}); materialize them (e.g. module.to_empty(device=...) and load "
+                                 f"real values) before sending")
             layout = Layout.of(tensors)
             ctx = SenderContext(num_workers, layout, model_id, _device_of(tensors))
             endpoint = self._transport.sender(ctx)
@@ -507,7 +513,10 @@ class WeightSyncScheme:
             tensors = flatten(model, self.strategy)
             layout = Layout.of(tensors)
             model_id = model_id or self._model_id
-            endpoint = self._transport.receiver(ReceiverContext(worker_idx, layout, model_id, _device_of(tensors)))
+            device = _device_of(tensors)
+            if device.type == "meta":  # materialized on the CPU from the first payload
+                device = torch.device("cpu")
+            endpoint = self._transport.receiver(ReceiverContext(worker_idx, layout, model_id, device))
             self._source, self._layout, self._worker_idx, self._model_id = model, layout, worker_idx, model_id
             self._unopened = endpoint
             self._state = _State.RECEIVER
@@ -538,6 +547,7 @@ class WeightSyncScheme:
 
     def _receive(self, deadline: Deadline) -> int | None:
         endpoint: ReceiverEndpoint = self._endpoint  # type: ignore[assignment]
+        self._leases.drain()  # memory the worker stopped viewing since the last call
         best: tuple[Delivery, Header] | None = None
         stale = False
         delivery = endpoint.recv(deadline)
@@ -569,32 +579,27 @@ class WeightSyncScheme:
             return None
         delivery, header = best
         try:
-            adopted = self._apply(delivery, header)
+            self._apply(delivery, header)
         except (SchemaMismatchError, TransportError) as exc:
             _release(delivery)
             self._reject(header.version, exc)
             raise
-        except BaseException:
-            _release(delivery)
-            raise
-        if not adopted:
-            _release(delivery)
-        previous = self._held.replace(adopted, delivery if adopted else None)
-        if previous is not None:
-            _release(previous)  # before the ack: the sender may reuse its memory for the next version
+        finally:
+            _release(delivery)  # a no-op for memory the model now views: its lease gives it back
         self._version = header.version
+        del delivery, best
+        self._leases.drain()  # before the ack: the sender may reuse what the model stopped viewing
         endpoint.ack(Ack(self._worker_idx, header.version).encode())
-        del previous  # only now unmap what the model viewed before (it takes a while for big models)
         return header.version
 
     def _reject(self, version: int, exc: WsyncError) -> None:
         log.warning("worker %s rejected version %d: %s", self._worker_idx, version, exc)
         self._endpoint.ack(Ack(self._worker_idx, version, str(exc), type(exc).__name__).encode())
 
-    def _apply(self, delivery: Delivery, header: Header) -> list[torch.Tensor]:
+    def _apply(self, delivery: Delivery, header: Header) -> None:
         """Check everything about a delivery, then copy it into the model, or make the model's
-        tensors views of it where the delivery is adoptable; nothing is written on error.
-        Returns the tensors that now view the payload."""
+        tensors views of it where the delivery is adoptable (the model's memory then is leased:
+        ``delivery.release`` runs once nothing views it). Nothing is written on error."""
         layout = self._layout
         where = f"worker {self._worker_idx}, version {header.version}"
         if header.model_id != self._model_id:
@@ -619,14 +624,18 @@ class WeightSyncScheme:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
         targets = flatten(self._source, self.strategy, detach=False)
         layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
-        adopted: list[torch.Tensor] = []
-        if delivery.adoptable:
-            adopted = layout.adopt(payload, targets)
+        if meta_keys(targets):  # a model built on the meta device gets real memory from its first payload
+            materialize(self._source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
+            targets = flatten(self._source, self.strategy, detach=False)
+        layout.check_writable(targets, context=where)
+        if delivery.adoptable and payload.device.type == "cpu":
+            release, delivery.release = delivery.release, None
+            payload = self._leases.wrap(payload, release)
+            self._adopted.add(layout.adopt(payload, targets))
         else:
             layout.unpack(payload, targets)
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
-        return adopted
 
     # -- both --------------------------------------------------------------------------------
     def connect(self, timeout: float | None = None) -> None:
@@ -660,6 +669,7 @@ class WeightSyncScheme:
                 self._finalizer()
             elif self._unopened is not None:
                 self._unopened.close()
+            self._leases.close()
             self._unopened = None
             self._endpoint = None
             self._source = None
@@ -668,52 +678,46 @@ class WeightSyncScheme:
 
 
 def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock,
-           pid: int, held: _Held) -> None:
+           pid: int, adopted: _Adopted, leases: LeaseBook) -> None:
     """Close an endpoint once no one uses it: the service thread is stopped first and the lock held,
-    and a model that views a delivery gets its own copy first. A forked child never closes its
-    parent's endpoint."""
+    and a model that views a transport's memory gets its own copy first (a closed transport may
+    reuse that memory). A forked child never closes its parent's endpoint."""
     if os.getpid() != pid:
         return
     stop_service.set()
     with lock:
-        previous = held.replace([], None)  # copies what the model viewed first
-        if previous is not None:
-            _release(previous)
+        adopted.materialize()
+        leases.close()
         endpoint.close()
 
 
-class _Held:
-    """The delivery a receiver's model views (adopted instead of copied), kept until it moves on."""
+class _Adopted:
+    """The model's tensors that view leased memory, with the address each was given."""
 
-    __slots__ = ("tensors", "delivery")
+    __slots__ = ("tensors",)
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.delivery: Delivery | None = None
+        self.tensors: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def replace(self, tensors: list[torch.Tensor], delivery: Delivery | None) -> Delivery | None:
-        """Hold ``delivery`` (viewed by ``tensors``) instead; returns the one held before, for the
-        caller to release. Tensors that viewed it and are not among ``tensors`` are copied first."""
-        keep = {id(t) for t in tensors}
-        self.tensors = [t for t in self.tensors if id(t) not in keep]
-        self.materialize()
-        previous, self.tensors, self.delivery = self.delivery, tensors, delivery
-        return previous
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.tensors[id(t)] = (t, t.data_ptr())
 
     def materialize(self) -> None:
-        """Give every held tensor its own memory (a copy), so the delivery can be given back."""
-        seen: set[int] = set()
+        """Give each tensor that still views what it was given its own memory (a copy). One the
+        user moved since (``share_memory_()``, a new ``.data``) is left as it is."""
         with torch.no_grad():
-            for t in self.tensors:
-                if id(t) not in seen:
-                    seen.add(id(t))
+            for t, ptr in self.tensors.values():
+                if t.data_ptr() == ptr:
                     t.data = t.data.clone()
-        self.tensors = []
+        self.tensors = {}
 
 
 def _release(delivery: Delivery) -> None:
-    if delivery.release is not None:
-        delivery.release()
+    """Give a delivery back to its transport, once: later calls do nothing."""
+    release, delivery.release = delivery.release, None
+    if release is not None:
+        release()
 
 
 def _device_of(tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -724,3 +728,8 @@ def _device_of(tensors: dict[str, torch.Tensor]) -> torch.device:
 
 def _layout_wire(layout: Layout) -> Any:
     return json.loads(layout.to_json())
+
+
+def _clip(keys: list[str], n: int = 6) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")

@@ -21,6 +21,9 @@ Rules every transport keeps (the conformance suite checks them):
 3. A receiver only needs the newest delivery: a transport may drop older undelivered ones.
 4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline.
 5. Nothing received from another process is unpickled; ``close`` frees every resource.
+
+The whole interface, with what each call returns and may raise, the threading rules and the
+limits: docs/writing-a-transport.md.
 """
 
 from __future__ import annotations
@@ -107,11 +110,12 @@ class ReceiverContext:
 class Delivery:
     """One received version: header bytes and a flat uint8 payload.
 
-    The core calls ``release()`` once it has applied or discarded the payload; until then the
-    transport must keep the payload's bytes unchanged. A transport sets ``adoptable`` when the
-    payload's memory is this receiver's own to keep (writing it reaches no one else): the core
-    may then make the model's tensors views of it instead of copying, and calls ``release()``
-    only once the model has moved on to a newer version or the receiver shuts down.
+    The core calls ``release()`` once nothing views the payload; until then the transport must
+    keep the payload's bytes unchanged. A transport sets ``adoptable`` when the payload's memory
+    is this receiver's own to keep (writing it reaches no one else): the core may then make the
+    model's tensors views of it instead of copying, and calls ``release()`` only once the last
+    tensor viewing it is freed and every child forked meanwhile has exited (``wsync_core.lease``):
+    possibly from another thread, and after ``close()``.
     """
 
     header: bytes

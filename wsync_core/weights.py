@@ -11,14 +11,14 @@ A TensorDict or a state_dict given directly is taken as it is, whatever the stra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal, Union
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy"]
+__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy", "meta_keys", "materialize"]
 
 Strategy = Literal["tensordict", "state_dict"]
 Weights = Union[nn.Module, TensorDictBase, Mapping[str, torch.Tensor]]
@@ -88,3 +88,47 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
         buffers += [(prefix + k, v) for k, v in m._buffers.items()]
         stack += [(f"{prefix}{k}.", sub) for k, sub in reversed(m._modules.items()) if sub is not None]
     return items + buffers
+
+
+def meta_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The keys of ``tensors`` on the meta device (shape and dtype, no data)."""
+    return [k for k, t in tensors.items() if t.is_meta]
+
+
+def materialize(weights: Any, device: torch.device) -> None:
+    """Give every meta-device tensor of ``weights`` real, uninitialized memory on ``device``, in the
+    container the user holds: a module's parameters and buffers (a parameter shared by two modules
+    stays shared), a state_dict's entries, a TensorDict's leaves. The caller fills them at once.
+
+    Raises TypeError for a container whose entries cannot be replaced (a read-only mapping).
+    """
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]
+
+    if isinstance(weights, nn.Module):
+        for m in weights.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None and t.is_meta:
+                        table[name] = real(t)
+    elif isinstance(weights, TensorDictBase):
+        if weights.device is not None and weights.device.type == "meta":
+            weights.clear_device_()
+        for key, t in list(weights.items(include_nested=True, leaves_only=True)):
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                weights.set(key, real(t))
+    elif isinstance(weights, Mapping):
+        if not isinstance(weights, MutableMapping):
+            raise TypeError(f"a {type(weights).__name__} of meta tensors cannot be filled in place: pass a dict")
+        for key, value in list(weights.items()):
+            if isinstance(value, (Mapping, TensorDictBase)):
+                materialize(value, device)
+            elif isinstance(value, torch.Tensor) and value.is_meta:
+                weights[key] = real(value)

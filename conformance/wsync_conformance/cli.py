@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser", "pytest_args"]
+__all__ = ["main", "build_parser", "add_arguments", "pytest_args"]
 
 
 def pytest_args(args: argparse.Namespace) -> list[str]:
@@ -76,8 +76,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The same arguments as ``wsync conformance``, plus --guarantee, --timeout and --json."""
+    """``python -m wsync_conformance``: the arguments of ``wsync conformance``."""
     p = argparse.ArgumentParser(prog="python -m wsync_conformance", description=__doc__)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``wsync conformance``."""
     p.add_argument("name", help="transport: entry-point name or module:Class")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
@@ -87,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="seconds a call that should succeed may take")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results by guarantee as JSON")
-    return p
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -76,10 +76,11 @@ class Context:
         self._workers.extend(taken)
         return taken
 
-    def session(self, spec: ModelSpec, n: int = 2, *, sync: bool = True, connect: bool = True,
+    def session(self, spec: ModelSpec, n: int = 2, *, sync: bool = True, connect: bool = True, init: bool = True,
                 workers: list[harness.Worker] | None = None, receiver_device: str | None = None) -> Session:
-        """A sender of ``spec`` and ``n`` receivers (connected unless ``connect=False``)."""
-        s = Session(self, spec, workers or self.workers(n), sync=sync, receiver_device=receiver_device)
+        """A sender of ``spec`` and ``n`` receivers (connected unless ``connect=False``; receivers
+        call ``init_on_receiver`` unless ``init=False``)."""
+        s = Session(self, spec, workers or self.workers(n), sync=sync, receiver_device=receiver_device, init=init)
         self._closers.append(s.close)
         if connect:
             s.connect()
@@ -113,7 +114,8 @@ class Session:
     of every version sent."""
 
     def __init__(self, ctx: Context, spec: ModelSpec, workers: list[harness.Worker], *, sync: bool = True,
-                 receiver_device: str | None = None, scheme: WeightSyncScheme | None = None, model=None) -> None:
+                 receiver_device: str | None = None, scheme: WeightSyncScheme | None = None, model=None,
+                 init: bool = True) -> None:
         self.ctx = ctx
         self.spec = spec
         self.workers = workers
@@ -126,7 +128,7 @@ class Session:
         self.expected: dict[int, dict[str, str]] = {}
         self.receiver_device = receiver_device or ctx.device
         for i, w in enumerate(workers):
-            w.open(self.scheme, spec, self.receiver_device, i)
+            w.open(self.scheme, spec, self.receiver_device, i, init=init)
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -321,6 +321,10 @@ def serve(conn, process: bool) -> None:
             elif cmd == "stop":
                 reply = {**(session.follow or {}), **_state(session)}
                 session.follow = None
+            elif cmd == "scene":
+                from .holding import SCENES
+
+                reply = SCENES[msg["name"]](session, **msg.get("kwargs", {}))
             elif cmd == "snapshot":
                 reply = {**_state(session), "digests": digests(session.model)}
             elif cmd == "fill":
@@ -565,6 +569,11 @@ class Worker:
 
     def stop(self, timeout: float = 60.0) -> Reply:
         return self.request("stop", timeout)
+
+    def scene(self, name: str, **kwargs: Any) -> Reply:
+        """Run ``holding.SCENES[name](session, **kwargs)`` in the receiver; raises HarnessError on error."""
+        wait = float(kwargs.get("timeout") or 0.0) + 120.0
+        return self.request("scene", wait, name=name, kwargs=kwargs).raise_for_error(f"scene {name!r}")
 
     def snapshot(self) -> Reply:
         """The runner's scheme version and the digest of each of its model's tensors."""

@@ -31,6 +31,7 @@ from .checks import (
     TargetedChecks,
     VersionedChecks,
 )
+from .holding import HoldingChecks
 
 __all__ = ["TransportSuite"]
 
@@ -49,6 +50,7 @@ class TransportSuite(
     SafeChecks,
     EndpointChecks,
     CapabilityChecks,
+    HoldingChecks,
     SuiteBase,
 ):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""

@@ -2,8 +2,9 @@
 
 ``publish`` only records, per worker, the newest (slot, header) to send and wakes the thread;
 the thread sends notifications without ever blocking on a worker (non-blocking sockets), at
-most ``_OUTSTANDING`` unreleased ones per worker, so a stuck worker pins at most that many
-slots and never slows the others.
+most ``_OUTSTANDING`` unread ones per worker, so a stuck worker pins at most that many
+slots and never slows the others. Slots a worker took and still views (its model, tensors it
+kept, a child it forked) stay out of use until it releases them, however many.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class _Conn:
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.has_fd: set[int] = set()        # slots whose descriptor this peer already got
         self.held: list[int] = []            # slots notified and not yet released, oldest first
+        #: slots the worker took before its last ack and has not released: its tensors (or a child
+        #: it forked) may view them for as long as it likes; they do not count against _OUTSTANDING
+        self.pinned: list[int] = []
         self.pending: tuple[int, bytes] | None = None  # newest (slot, header) not yet notified
 
     def push(self, data: bytes, fds: list[int] | None = None) -> None:
@@ -97,7 +101,7 @@ class MpSender(SenderEndpoint):
     def acquire(self, deadline: Deadline) -> torch.Tensor:
         with self.cond:
             while True:
-                busy = {s for c in self.conns.values() for s in c.held}
+                busy = {s for c in self.conns.values() for s in (*c.held, *c.pinned)}
                 busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
                 for slot in self.slots:
                     if slot.index != self.latest and slot.index not in busy:
@@ -263,9 +267,11 @@ class MpSender(SenderEndpoint):
                 self._hello(conn, frame.arg)
             elif frame.kind is Kind.RELEASE:
                 with self.cond:
-                    if frame.arg in conn.held:
-                        conn.held.remove(frame.arg)
-                        self.cond.notify_all()
+                    for taken in (conn.held, conn.pinned):
+                        if frame.arg in taken:
+                            taken.remove(frame.arg)
+                            self.cond.notify_all()
+                            break
                     self._pump(conn)
             elif frame.kind is Kind.ACK:
                 with self.cond:
@@ -273,6 +279,11 @@ class MpSender(SenderEndpoint):
                         raise TransportError(f"worker {conn.worker} sent {_MAX_EVENTS} acks the core has not "
                                              f"collected yet (one per delivery is expected)")
                     self._emit(Acked(conn.worker, frame.body))
+                    # the worker acks after taking its newest notification: every older one it
+                    # still holds was taken (the newest may be unread), so it no longer counts
+                    conn.pinned += conn.held[:-1]
+                    del conn.held[:-1]
+                    self._pump(conn)
         with self.cond:
             self._flush(conn)
 
@@ -359,6 +370,7 @@ class MpSender(SenderEndpoint):
             pass
         conn.sock.close()
         conn.held.clear()
+        conn.pinned.clear()
         conn.pending = None
         self.cond.notify_all()
 

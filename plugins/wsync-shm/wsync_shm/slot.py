@@ -12,6 +12,7 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 import warnings
 
 import torch
@@ -34,6 +35,8 @@ class Slot:
         self._fd = fd
         self._mm = mm
         self._locks = 0
+        self._guard = threading.Lock()  # a lease may give a lock back from another thread
+        self._closing = False
         self.writable = writable
         nbytes = len(mm) - HEAD
         if nbytes == 0:
@@ -101,27 +104,43 @@ class Slot:
 
         Shared locks are counted: each successful call needs one ``unlock``.
         """
-        try:
-            fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        self._locks += 1
-        return True
+        with self._guard:
+            if self._fd < 0 or self._closing:
+                return False
+            try:
+                fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self._locks += 1
+            return True
 
     def unlock(self) -> None:
-        """Give back one lock taken by ``try_lock``; the file is unlocked when none is left."""
-        if self._locks > 0:
-            self._locks -= 1
-            if self._locks == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """Give back one lock taken by ``try_lock``; the file is unlocked when none is left (and
+        closed then, if ``close`` was called meanwhile)."""
+        with self._guard:
+            if self._locks > 0:
+                self._locks -= 1
+                if self._locks == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    if self._closing:
+                        self._close_now()
 
     def close(self) -> None:
-        """Unlock and let go of the mapping (unmapped when the last tensor viewing it goes); idempotent."""
-        if self._fd < 0:
-            return
-        if self._locks:
-            self._locks = 0
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """Let go of the file and the mapping (unmapped when the last tensor viewing it goes);
+        idempotent. A reader's lock still taken keeps the file open, and the slot safe from
+        the writer, until its ``unlock``: a tensor may still view the slot through it."""
+        with self._guard:
+            if self._fd < 0:
+                return
+            if self._locks and not self.writable:
+                self._closing = True
+                return
+            if self._locks:
+                self._locks = 0
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._close_now()
+
+    def _close_now(self) -> None:
         os.close(self._fd)
         self._fd = -1
         # torch.frombuffer does not count as an export, so mmap.close() would unmap memory that

@@ -168,7 +168,7 @@ class _Sender(SenderEndpoint):
             for i in order:
                 if i != self._latest and not self._owed(i) and self._slots[i].try_lock(exclusive=True):
                     return self._hand_out(i)
-            if len(self._slots) < self._num_workers + 2:  # one owed per worker, the latest, a spare
+            if len(self._slots) < 2 * self._num_workers + 2:  # owed and viewed per worker, the latest, a spare
                 i = self._new_slot()
                 self._slots[i].try_lock(exclusive=True)
                 return self._hand_out(i)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsync_core import bench, list_transports
+from wsync_bench import harness as bench
+from wsync_core import list_transports
 from wsync_core.cli import main as cli_main
 
 

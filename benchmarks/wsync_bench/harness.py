@@ -1,4 +1,4 @@
-"""``wsync bench``: time one synchronous update per transport and model size, against this machine's floor.
+"""The measurement behind ``wsync bench``: time one synchronous update per transport and model size, against this machine's floor.
 
 Each measurement runs in its own sender process (spawned, in its own process group so a hung
 system can be ended whole) with real worker processes. One update is what a trainer pays per
@@ -89,6 +89,12 @@ class Row:
     snapshot_s: float | None = None
     #: median latency over the memcpy floor's, filled in by ``run``
     x_memcpy: float | None = None
+    #: torch threads of the process that copies (the sender's snapshot, or the memcpy floor)
+    threads: int | None = None
+    #: median seconds a worker took to read every weight once, right after applying a version
+    #: (a zero-copy receiver pays its deferred page faults here), and to read them again
+    first_read_s: float | None = None
+    warm_read_s: float | None = None
 
     @property
     def median_s(self) -> float | None:
@@ -103,6 +109,10 @@ class Row:
         return _percentile(self.latencies_s, 0.90)
 
     @property
+    def p99_s(self) -> float | None:
+        return _percentile(self.latencies_s, 0.99)
+
+    @property
     def gib_per_s(self) -> float | None:
         m = self.median_s
         return self.nbytes / m / 2**30 if m else None
@@ -110,7 +120,7 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(size=format_size(self.nbytes), median_s=self.median_s, p10_s=self.p10_s, p90_s=self.p90_s,
-                 gib_per_s=self.gib_per_s)
+                 p99_s=self.p99_s, gib_per_s=self.gib_per_s)
         return d
 
 
@@ -252,11 +262,21 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any,
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
         scheme.connect()
         while not stop.is_set() and _parent_alive():
-            scheme.receive(timeout=0.1)
+            if scheme.receive(timeout=0.1) is not None:  # read as a rollout would, then warm; untimed
+                _tell(conn, worker=worker_idx, read=[_read_all(model), _read_all(model)])
     except Exception as exc:  # reported to the sender, which puts it in the row
         _tell(conn, error=f"worker {worker_idx}: {type(exc).__name__}: {exc}", trace=traceback.format_exc())
     finally:
         scheme.shutdown()
+
+
+def _read_all(model: nn.Module) -> float:
+    """Seconds to read every byte of the model's weights once (a sum per tensor)."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.sum()
+    return time.perf_counter() - t0
 
 
 def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
@@ -286,6 +306,8 @@ class _Workers:
         self.conns = []
         self.procs: list[Any] = []
         self.ready: set[int] = set()
+        #: [first read, warm read] seconds after each applied version, by worker
+        self.reads: dict[int, list[list[float]]] = {i: [] for i in range(n)}
         for i in range(n):
             mine, theirs = self.ctx.Pipe(duplex=False)
             # each worker holds its own copy of the scheme, as it would in another process
@@ -318,10 +340,23 @@ class _Workers:
                 msg = json.loads(conn.recv_bytes())
                 if "error" in msg:
                     raise RuntimeError(msg["error"])
-                self.ready.add(msg["ready"])
+                if "read" in msg:
+                    self.reads[msg["worker"]].append(msg["read"])
+                else:
+                    self.ready.add(msg["ready"])
             p = self.procs[i]
             if isinstance(p, multiprocessing.process.BaseProcess) and p.exitcode not in (None, 0):
                 raise RuntimeError(f"worker {i} exited with code {p.exitcode}")
+
+    def wait_reads(self, count: int, timeout: float) -> None:
+        """Wait until every worker has read its weights after ``count`` versions (the next update
+        must not wait for a worker still reading the last one). Raises RuntimeError on expiry."""
+        deadline = time.monotonic() + timeout
+        while any(len(r) < count for r in self.reads.values()):
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not read version {count}'s weights within {timeout:g} s")
+            time.sleep(0.0002)
 
     def close(self) -> None:
         self.stop.set()
@@ -339,9 +374,13 @@ class _Workers:
 
 # -- one measurement, in the sender process -----------------------------------------------------
 def _time_sends(model: nn.Module, repeat: int, warmup: int, send: Callable[[], None],
-                workers: _Workers) -> list[float]:
+                workers: _Workers, settle: Callable[[int], None] | None = None) -> list[float]:
+    """Time ``send`` after each training step; ``settle(k)`` (untimed) waits for the workers to
+    be done with the k versions sent so far."""
     lat = []
     for k in range(warmup + repeat):
+        if settle is not None:
+            settle(k)
         _bump(model)
         t0 = time.perf_counter()
         send()
@@ -353,8 +392,7 @@ def _time_sends(model: nn.Module, repeat: int, warmup: int, send: Callable[[], N
 
 
 def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
-    from .registry import get_transport
-    from .scheme import WeightSyncScheme
+    from wsync_core import WeightSyncScheme, get_transport
 
     nbytes, n = job["nbytes"], job["workers"]
     threads = not get_transport(job["system"]).capabilities.processes
@@ -375,13 +413,17 @@ def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
             scheme.send()
             snapshots.append(scheme.last_report.snapshot_s)
 
-        lat = _time_sends(model, job["repeat"], job["warmup"], send, workers)
+        lat = _time_sends(model, job["repeat"], job["warmup"], send, workers,
+                          lambda k: workers.wait_reads(k, job["timeout"]))
         peak = _status_kib("VmHWM") if tracked else None
     finally:
         logging.getLogger("wsync").setLevel(logging.ERROR)  # workers leaving now is the plan, not news
         workers.close()
         scheme.shutdown()
-    return {"latencies_s": lat, "connect_s": connect_s,
+    reads = [r for per in workers.reads.values() for r in per[job["warmup"]:]]
+    return {"latencies_s": lat, "connect_s": connect_s, "threads": torch.get_num_threads(),
+            "first_read_s": statistics.median(r[0] for r in reads) if reads else None,
+            "warm_read_s": statistics.median(r[1] for r in reads) if reads else None,
             "snapshot_s": statistics.median(snapshots[job["warmup"]:]) if len(snapshots) > job["warmup"] else None,
             "sender_peak_above_model": None if peak is None else max(0, (peak - rss0) * 1024)}
 
@@ -470,12 +512,17 @@ def _kill_group(pgid: int | None) -> None:
 
 
 # -- floors, in this process ---------------------------------------------------------------------
-def memcpy_floor(nbytes: int, repeat: int) -> list[float]:
-    """Seconds for single-thread copies of ``nbytes`` between two touched uint8 tensors."""
+#: torch threads a fresh process starts with: the sender's snapshot copies with as many
+SENDER_THREADS = torch.get_num_threads()
+
+
+def memcpy_floor(nbytes: int, repeat: int, threads: int = SENDER_THREADS) -> list[float]:
+    """Seconds for copies of ``nbytes`` between two touched uint8 tensors on ``threads`` torch
+    threads (by default as many as the sender's snapshot uses: the floor gets the same resources)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         dst.copy_(src)
         out = []
@@ -485,7 +532,7 @@ def memcpy_floor(nbytes: int, repeat: int) -> list[float]:
             out.append(time.perf_counter() - t0)
         return out
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
 def tcp_floor(nbytes: int, repeat: int) -> list[float]:
@@ -587,8 +634,7 @@ def _unavailable(system: str, kind: str) -> str | None:
         except ImportError as exc:
             return f"TorchRL is not installed ({exc}); pip install torchrl"
         return None
-    from .registry import get_transport
-    from .errors import UnknownTransportError
+    from wsync_core import UnknownTransportError, get_transport
 
     try:
         get_transport(system)
@@ -598,7 +644,7 @@ def _unavailable(system: str, kind: str) -> str | None:
 
 
 def _network(system: str) -> bool:
-    from .registry import get_transport
+    from wsync_core import get_transport
 
     try:
         return get_transport(system).capabilities.multi_host
@@ -618,7 +664,8 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
     try:
         for nbytes in config.sizes:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
-            floor_rows = [Row(name, "floor", nbytes, None) for name in floors]
+            floor_rows = [Row(name, "floor", nbytes, None, threads=SENDER_THREADS if name == "memcpy" else None)
+                          for name in floors]
             rows += floor_rows
             for row in floor_rows:  # half the floor's samples before the systems ...
                 bar.step(f"{row.system} {format_size(nbytes)}")
@@ -634,7 +681,8 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
                            "start_timeout": 120.0 + 15.0 * config.workers}
                     result = _run_job(job, config.job_timeout or _job_timeout(config, nbytes))
                     row.error = result.get("error")
-                    for key in ("latencies_s", "connect_s", "snapshot_s", "sender_peak_above_model"):
+                    for key in ("latencies_s", "connect_s", "snapshot_s", "sender_peak_above_model", "threads",
+                                "first_read_s", "warm_read_s"):
                         if key in result:
                             setattr(row, key, result[key])
                 rows.append(row)
@@ -668,8 +716,7 @@ def _job_timeout(config: BenchConfig, nbytes: int) -> float:
 # -- output ------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """Where the figures come from: OS, CPU, cores, memory, Python, torch, wsync and its transports."""
-    from . import __version__
-    from .registry import list_transports
+    from wsync_core import __version__, list_transports
 
     cpu = platform.processor() or platform.machine()
     mem = None
@@ -714,27 +761,28 @@ def _ms(v: float | None) -> str:
 
 def format_table(report: Report) -> str:
     """The report as an aligned text table (Markdown-compatible), one line per system and size."""
-    head = ("system", "size", "workers", "median ms", "p10 ms", "p90 ms", "GiB/s", "x memcpy", "sender +MiB")
+    head = ("system", "size", "workers", "threads", "median ms", "p10 ms", "p90 ms", "p99 ms", "GiB/s", "x memcpy",
+            "1st read ms", "warm read ms", "sender +MiB")
     lines = [head]
     for r in report.rows:
         if r.error:
-            lines.append((r.system, format_size(r.nbytes), str(r.workers or "-"), "error: " + r.error.splitlines()[0],
-                          "", "", "", "", ""))
+            lines.append((r.system, format_size(r.nbytes), str(r.workers or "-"), str(r.threads or "-"),
+                          "error: " + r.error.splitlines()[0], *[""] * (len(head) - 5)))
             continue
         lines.append((
-            r.system, format_size(r.nbytes), str(r.workers or "-"), _ms(r.median_s), _ms(r.p10_s), _ms(r.p90_s),
-            f"{r.gib_per_s:.2f}" if r.gib_per_s else "-",
-            f"{r.x_memcpy:.2f}" if r.x_memcpy else "-",
+            r.system, format_size(r.nbytes), str(r.workers or "-"), str(r.threads or "-"), _ms(r.median_s),
+            _ms(r.p10_s), _ms(r.p90_s), _ms(r.p99_s), f"{r.gib_per_s:.2f}" if r.gib_per_s else "-",
+            f"{r.x_memcpy:.2f}" if r.x_memcpy else "-", _ms(r.first_read_s), _ms(r.warm_read_s),
             "-" if r.sender_peak_above_model is None else f"{r.sender_peak_above_model / 2**20:.0f}",
         ))
     widths = [max(len(line[c]) for line in lines if not line[c].startswith("error: ")) for c in range(len(head))]
     out = []
     for k, line in enumerate(lines):
+        error = line[4].startswith("error: ")
         cells = [line[c].ljust(widths[c]) if c < 3 else line[c].rjust(widths[c]) for c in range(len(head))]
-        if line[3].startswith("error: "):
-            cells = [line[c].ljust(widths[c]) for c in range(3)] + [line[3]]
-        out.append("| " + " | ".join(cells).rstrip() + " |" if not line[3].startswith("error: ")
-                   else "| " + " | ".join(cells) + " |")
+        if error:
+            cells = [line[c].ljust(widths[c]) for c in range(4)] + [line[4]]
+        out.append("| " + " | ".join(cells) + " |" if error else "| " + " | ".join(cells).rstrip() + " |")
         if k == 0:
             out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(out)
