@@ -24,6 +24,7 @@ _spec.loader.exec_module(broken)
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     env.pop("HYPOTHESIS_PROFILE", None)
+    env["WSYNC_CONFORMANCE_GRACE"] = "3"  # a call blocked in C: the process is ended sooner
     return env
 
 
@@ -94,6 +95,15 @@ def test_a_hung_publish_fails_its_test_naming_the_call_and_the_run_goes_on(broke
     assert test == "test_versioned_counts_and_content" and "SenderEndpoint.publish()" in reason, log[-4000:]
     assert "ran past its budget" in reason, reason
     assert results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
+
+
+def test_a_call_blocked_in_c_ends_its_process_and_the_run_goes_on(broken_runs) -> None:
+    """A publish that no signal reaches: the watchdog ends the pytest process, wsync conformance
+    records the test as failed under live naming the call, and runs the rest in a new process."""
+    code, log, results = broken_runs["BlockedInC"]
+    (test, reason), = results["live"]["failed"]
+    assert test == "test_versioned_counts_and_content" and "SenderEndpoint.publish()" in reason, log[-4000:]
+    assert "going on with the rest" in log and results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
 
 
 def test_a_receiver_ignoring_its_deadline_is_named(broken_runs) -> None:

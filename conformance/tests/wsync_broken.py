@@ -21,7 +21,7 @@ from wsync_core.transport import Joined
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
-           "SharedAdoptable", "EagerReceiver"]
+           "SharedAdoptable", "EagerReceiver", "BlockedInC"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -364,3 +364,27 @@ class _EagerReceiver(_Receiver):
 EagerReceiver = _transport("EagerReceiver", receiver=_EagerReceiver)
 BROKEN["EagerReceiver"] = "ordered"
 SELECT["EagerReceiver"] = "test_ordered_init_does_not_connect"
+
+
+class _BlockedInC(_Sender):
+    """From the fourth publish on, publish() blocks where no signal reaches it (as a call stuck in C)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.count = 0
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        import signal
+
+        self.count += 1
+        if self.count > 3:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+            while True:
+                time.sleep(3600)
+        super().publish(buffer, header, workers)
+
+
+BlockedInC = _transport("BlockedInC", sender=_BlockedInC)
+BROKEN["BlockedInC"] = "live"
+# the process running the hung test is ended; wsync conformance goes on with the ordered test
+SELECT["BlockedInC"] = "test_versioned_counts_and_content or test_ordered_sender"

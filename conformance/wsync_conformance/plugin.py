@@ -24,6 +24,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--thorough", action="store_true", dest="wsync_thorough", default=False,
                     help="the longer profile: the thorough hypothesis profile, the tests marked thorough, "
                          "ten times the budget per test")
+    group.addoption("--wsync-results", default=None, metavar="FILE",
+                    help="append each test's start and outcome to FILE as JSON lines (used by wsync conformance)")
     group.addoption("--wsync-guarantee", action="append", default=[], metavar="NAME",
                     help=f"only run the tests of these guarantees ({', '.join(GUARANTEES)})")
 
@@ -40,6 +42,10 @@ def pytest_configure(config: pytest.Config) -> None:
         chosen = None
     if chosen is None and config.getoption("wsync_thorough"):
         chosen = "thorough"
+    if config.getoption("wsync_results"):
+        from .report import ResultsWriter
+
+        config.pluginmanager.register(ResultsWriter(config.getoption("wsync_results")), "wsync-results")
     profiles.choose(chosen)
 
 

@@ -11,7 +11,17 @@ import pytest
 
 from .guarantees import CAPABILITY_NAMES, GUARANTEES
 
-__all__ = ["Collector", "Outcome", "format_table"]
+__all__ = ["Collector", "Outcome", "ResultsWriter", "format_table", "note_hung"]
+
+#: where the running ResultsWriter appends (for the watchdog's last word)
+_results_path: list[str] = []
+
+
+def note_hung(nodeid: str, message: str) -> None:
+    """Record that test ``nodeid`` hung beyond interruption (the process is about to end)."""
+    for path in _results_path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"hung": nodeid, "message": message}) + "\n")
 
 
 @dataclass
@@ -93,6 +103,32 @@ class Collector:
 
     def to_json(self) -> str:
         return json.dumps(self.by_guarantee(), indent=2)
+
+
+class ResultsWriter(Collector):
+    """A Collector that also appends each test's start and outcome to a file, one JSON line
+    each, so a parent process keeps them if this one is ended by the watchdog."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        _results_path[:] = [path]
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        self._append({"started": nodeid})
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        before = self.outcomes.get(item.nodeid)
+        yield from super().pytest_runtest_makereport(item, call)
+        after = self.outcomes.get(item.nodeid)
+        if after is not None and after is not before:
+            self._append({"nodeid": item.nodeid, "test": after.test, "status": after.status, "reason": after.reason,
+                          "guarantees": after.guarantees, "capabilities": after.capabilities})
 
 
 def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str],

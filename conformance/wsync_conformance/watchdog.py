@@ -29,7 +29,7 @@ __all__ = ["Hung", "Watchdog", "current", "paused", "HUNG_EXIT_STATUS", "INTERFA
 #: the process exit status when a hung test could not be interrupted
 HUNG_EXIT_STATUS = 70
 #: seconds between a first interruption and the next (teardown of a hung test gets as long)
-GRACE_S = 30.0
+GRACE_S = float(os.environ.get("WSYNC_CONFORMANCE_GRACE", "30"))
 #: the transport interface's blocking calls, by the name a stack shows
 INTERFACE_CALLS = frozenset({"open", "acquire", "publish", "ready", "poll", "close", "recv", "ack"})
 _SIGNAL = signal.SIGUSR2
@@ -108,9 +108,10 @@ def diagnose(skip: set[int] = frozenset()) -> tuple[str, list[str]]:
 class Watchdog:
     """Interrupts the main thread with ``Hung`` once ``budget`` seconds of test time have passed."""
 
-    def __init__(self, budget: float, label: str, on_hang: Callable[[], None] | None = None) -> None:
+    def __init__(self, budget: float, label: str, on_hang: Callable[[], None] | None = None, nodeid: str = "") -> None:
         self.budget = budget
         self.label = label
+        self.nodeid = nodeid
         self.on_hang = on_hang
         self.used = 0.0
         self._since: float | None = None
@@ -197,8 +198,9 @@ class Watchdog:
                              f"with status {HUNG_EXIT_STATUS}\n")
             faulthandler.dump_traceback(all_threads=True)
             sys.stderr.flush()
-            from . import harness
+            from . import harness, report
 
+            report.note_hung(self.nodeid, self._fired[0])
             harness.kill_all()
             os._exit(HUNG_EXIT_STATUS)
 

@@ -79,7 +79,7 @@ class SuiteBase:
             for w, _ in harness.waiting():
                 w.kill()
 
-        dog = Watchdog(total, f"test {request.node.name}", on_hang=kill_hung).start()
+        dog = Watchdog(total, f"test {request.node.name}", on_hang=kill_hung, nodeid=request.node.nodeid).start()
         request.node.wsync_watchdog = dog  # the report names the hung call, whatever error followed it
         try:
             yield dog
