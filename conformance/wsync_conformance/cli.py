@@ -90,7 +90,7 @@ def run_suite(argv: list[str], collector) -> int:
         path = os.path.join(tmp, "results.jsonl")
         while True:
             open(path, "w").close()
-            cmd = [sys.executable, "-m", "pytest", *argv, "--wsync-results", path, *(f"--deselect={n}" for n in skip)]
+            cmd = [sys.executable, "-m", "pytest", *argv, f"--wsync-results={path}", *(f"--deselect={n}" for n in skip)]
             code = subprocess.call(cmd)
             started: list[str] = []
             hung: dict[str, str] = {}

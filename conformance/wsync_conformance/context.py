@@ -223,6 +223,9 @@ class Session:
             bad = sorted(k for k in want if snap["digests"].get(k) != want[k])
             if bad:
                 kind, detail = classify(snap["digests"], self.expected)
+                if kind == "match" and detail is not None and detail > version:  # memory written under it
+                    raise violated("isolated", f"worker {i} reports version {version} but holds version {detail}, "
+                                               f"which it never applied: memory it views was written")
                 if kind == "match":  # a whole other version: the report and the content disagree
                     raise violated("versioned", f"worker {i} reports version {version} but holds exactly version "
                                                 f"{detail}")

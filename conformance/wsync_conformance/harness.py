@@ -103,8 +103,9 @@ class _Session:
         self.worker_idx = msg["worker_idx"]
         self.follow: dict[str, Any] | None = None
         self.process = process
-        #: references the worker keeps: (version when taken, key -> tensor, key -> last version it backed)
-        self.holds: list[tuple[int, dict[str, Any], dict[str, int]]] = []
+        #: references the worker keeps: (version when taken, key -> tensor, key -> last version it
+        #: backed the model at, keys that no longer back it)
+        self.holds: list[tuple[int, dict[str, Any], dict[str, int], set[str]]] = []
         if msg.get("init", True):
             self.scheme.init_on_receiver(model=self.model, worker_idx=self.worker_idx,
                                          **({"model_id": msg["model_id"]} if msg.get("model_id") else {}))
@@ -115,31 +116,36 @@ class _Session:
         return flatten(self.model)
 
     def applied(self) -> None:
-        """After the model changed: note, for each held reference still backing it, this version."""
+        """After the model changed: for each held reference still backing it, note this version.
+        A reference that stopped backing the model is retired for good: the slot it views must
+        keep that version's values while it lives, even if the model later views the same memory
+        again (which a transport may only do once nothing views it)."""
         if not self.holds:
             return
         now = {k: _storage(t) for k, t in self.tensors().items()}
         v = self.scheme.version
-        for _, refs, last in self.holds:
+        for _, refs, last, retired in self.holds:
             for k, t in refs.items():
+                if k in retired:
+                    continue
                 if _storage(t) == now.get(k):
                     last[k] = v
+                else:
+                    retired.add(k)
 
     def hold(self) -> dict[str, Any]:
         tensors = self.tensors()
         v = self.scheme.version
-        self.holds.append((v, {k: t.detach() for k, t in tensors.items()}, dict.fromkeys(tensors, v)))
+        self.holds.append((v, {k: t.detach() for k, t in tensors.items()}, dict.fromkeys(tensors, v), set()))
         return {"holding": len(self.holds), "version": v}
 
     def held(self) -> list[dict[str, Any]]:
         from .models import digest_of
 
         self.applied()
-        now = {k: _storage(t) for k, t in self.tensors().items()}
         out = []
-        for taken, refs, last in self.holds:
-            out.append({"taken": taken, "keys": {k: [digest_of(t), _storage(t) == now.get(k), last[k]]
-                                                 for k, t in refs.items()}})
+        for taken, refs, last, retired in self.holds:
+            out.append({"taken": taken, "keys": {k: [digest_of(t), k not in retired, last[k]] for k, t in refs.items()}})
         return out
 
 
