@@ -172,10 +172,13 @@ class _Endpoint:
         self.endpoint = transport.receiver(ReceiverContext(msg["worker_idx"], layout, msg.get("model_id") or "policy",
                                                            torch.device(msg["device"])))
         self.nbytes = layout.nbytes
+        self.worker_idx = msg["worker_idx"]
         self.held: list[Any] = []
 
-    def recv(self, timeout: float, keep: bool) -> dict[str, Any]:
-        from wsync_core import Deadline
+    def recv(self, timeout: float, keep: bool, ack: bool = False) -> dict[str, Any]:
+        """One recv(); with ``ack``, ack what came as the core would (the version its header names)."""
+        from wsync_core import Deadline, TransportError
+        from wsync_core.protocol import Ack, Header
 
         from .models import payload_digest
 
@@ -191,6 +194,12 @@ class _Endpoint:
             self.held.append(d)
         elif d.release is not None:
             d.release()
+        if ack:
+            try:
+                version = Header.decode(bytes(d.header)).version
+            except TransportError:  # not a header the suite wrote: nothing to ack
+                return out
+            self.endpoint.ack(Ack(self.worker_idx, version).encode())
         return out
 
     def shared(self, timeout: float, pointer: int, process: bool) -> dict[str, Any]:
@@ -351,7 +360,7 @@ def serve(conn, process: bool) -> None:
                     endpoint.endpoint.open(Deadline(msg["timeout"]))
                 reply = {"opened": msg.get("open", True), "took": time.monotonic() - t0}
             elif cmd == "ep_recv":
-                reply = endpoint.recv(msg["timeout"], msg.get("keep", False))
+                reply = endpoint.recv(msg["timeout"], msg.get("keep", False), msg.get("ack", False))
             elif cmd == "ep_shared":
                 reply = endpoint.shared(msg["timeout"], msg["pointer"], process)
             elif cmd == "ep_held":

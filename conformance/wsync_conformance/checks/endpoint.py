@@ -86,8 +86,15 @@ class Endpoints:
             self.finish_receiver(i).raise_for_error(f"receiver endpoint {i}: open()")
         self.wait_for(lambda e: isinstance(e, Joined), idx, "Joined", pump=True)
 
-    def recv(self, i: int, timeout: float, keep: bool = False) -> dict[str, Any] | None:
-        reply = self.workers[i].request("ep_recv", timeout + SLACK_S + 30, timeout=timeout, keep=keep)
+    def recv(self, i: int, timeout: float, keep: bool = False, ack: bool = True) -> dict[str, Any]:
+        """Receiver ``i``'s recv(); it acks what it gets (as the core does) unless ``ack=False``,
+        and the sender keeps polling meanwhile (as the core's service thread does)."""
+        w = self.workers[i]
+        w.send("ep_recv", timeout=timeout, keep=keep, ack=ack)
+        deadline = Deadline(timeout + SLACK_S + 30)
+        while not w.conn.poll(0) and not deadline.expired():
+            self.poll(0.02)
+        reply = w.recv(deadline.remaining(), "answer to recv()")
         reply.raise_for_error(f"receiver endpoint {i}: recv()")
         return reply
 
