@@ -29,6 +29,28 @@ class EchoTransport(InprocTransport):
 def wsync_register_transports(register):
     register(EchoTransport)
 '''
+OLD_INTERFACE = '''
+from wsync_core import hookimpl
+from wsync_core.inproc import InprocTransport
+
+
+class OldTransport(InprocTransport):
+    name = "old"
+    interface = 0
+
+
+@hookimpl
+def wsync_register_transports(register):
+    register(OldTransport)
+
+
+@hookimpl
+def wsync_register_commands(register):
+    def configure(parser):
+        parser.add_argument("--who", default="world")
+
+    register("hello", "say hello", configure, lambda args: print(f"hello {args.who}") or 3)
+'''
 BROKEN_IMPORT = "import no_such_module_anywhere\n"
 BROKEN_HOOK = '''
 from wsync_core import hookimpl
@@ -61,12 +83,13 @@ def _dist(root: Path, name: str, module: str, source: str) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """A directory holding three real, pip-installed plugin distributions."""
+    """A directory holding four real, pip-installed plugin distributions."""
     root = tmp_path_factory.mktemp("plugins")
     target = root / "site"
     dists = [_dist(root, "wsync-echo", "wsync_echo", GOOD),
              _dist(root, "wsync-brokenimport", "wsync_brokenimport", BROKEN_IMPORT),
-             _dist(root, "wsync-brokenhook", "wsync_brokenhook", BROKEN_HOOK)]
+             _dist(root, "wsync-brokenhook", "wsync_brokenhook", BROKEN_HOOK),
+             _dist(root, "wsync-old", "wsync_old", OLD_INTERFACE)]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), *map(str, dists)], check=True, timeout=300)
     return target
@@ -90,6 +113,21 @@ def test_installed_plugin_is_found_and_broken_ones_are_listed(site):
     assert infos["inproc"]["distribution"] == "wsync-core"
     table = wsync(site, "transports")
     assert "FAILED TO LOAD" in table.stdout and "echo" in table.stdout
+
+
+def test_plugin_for_another_interface_version_is_refused_naming_both(site):
+    out = wsync(site, "transports", "--json")
+    infos = {i["name"]: i for i in json.loads(out.stdout)}
+    assert "old" not in [i["name"] for i in infos.values() if not i["error"]]
+    error = infos["old"]["error"]
+    assert "implements transport interface 0" in error and "implements interface 1" in error, error
+
+
+def test_plugins_add_commands_and_unknown_ones_say_how_to_get_them(site):
+    out = wsync(site, "hello", "--who", "wsync")
+    assert out.returncode == 3 and out.stdout.strip() == "hello wsync", out.stderr
+    out = wsync(site, "nosuchcommand")
+    assert out.returncode == 2 and "pip install wsync-nosuchcommand" in out.stderr and "hello" in out.stderr
 
 
 def test_installed_plugin_works_end_to_end(site):

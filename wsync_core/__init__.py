@@ -16,6 +16,7 @@ from .errors import (
     StateError,
     TransportError,
     UnknownTransportError,
+    WorkerDiedError,
     WorkerTimeoutError,
     WsyncError,
 )
@@ -27,6 +28,7 @@ from .report import SendReport
 from .scheme import SendHandle, WeightSyncScheme
 from .transport import (
     Acked,
+    INTERFACE_VERSION,
     Capabilities,
     Delivery,
     Event,
@@ -55,11 +57,13 @@ __all__ = [
     "StateError",
     "SchemaMismatchError",
     "WorkerTimeoutError",
+    "WorkerDiedError",
     "TransportError",
     "UnknownTransportError",
     # writing a transport
     "hookimpl",
     "Transport",
+    "INTERFACE_VERSION",
     "Capabilities",
     "SenderContext",
     "ReceiverContext",

@@ -9,6 +9,7 @@ __all__ = [
     "StateError",
     "SchemaMismatchError",
     "WorkerTimeoutError",
+    "WorkerDiedError",
     "TransportError",
     "UnknownTransportError",
 ]
@@ -35,6 +36,11 @@ class WorkerTimeoutError(WsyncError):
 
     def __reduce__(self):  # keep .workers across pickling (e.g. from a worker process)
         return (type(self), (self.args[0], self.workers))
+
+
+class WorkerDiedError(WorkerTimeoutError):
+    """Some workers died before they answered; ``workers`` holds their indices, sorted, and the
+    message says how each died. A WorkerTimeoutError, raised before the timeout."""
 
 
 class TransportError(WsyncError):

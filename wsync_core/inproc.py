@@ -68,11 +68,23 @@ class _Channel:
                 del _channels[self.name]
 
 
+def _wake(endpoint: _Sender | _Receiver) -> None:
+    """End the endpoint's wait in another thread, and every later one (the scheme shuts down)."""
+    channel = endpoint.channel
+    if channel is None:
+        endpoint.woken = True
+        return
+    with channel.cond:
+        endpoint.woken = True
+        channel.cond.notify_all()
+
+
 class _Sender(SenderEndpoint):
     def __init__(self, transport: InprocTransport, ctx: SenderContext) -> None:
         self.name = transport.options["channel"]
         self.nbytes = ctx.layout.nbytes
         self.channel: _Channel | None = None
+        self.woken = False
 
     def open(self, deadline: Deadline) -> None:
         channel = _Channel.attach(self.name)
@@ -94,10 +106,13 @@ class _Sender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         channel = self.channel
         with channel.cond:
-            channel.cond.wait_for(lambda: channel.events, _wait_s(deadline))
+            channel.cond.wait_for(lambda: channel.events or self.woken, _wait_s(deadline))
             events = list(channel.events)
             channel.events.clear()
         return events
+
+    def wake(self) -> None:
+        _wake(self)
 
     def close(self) -> None:
         channel, self.channel = self.channel, None
@@ -116,6 +131,7 @@ class _Receiver(ReceiverEndpoint):
         self.name = transport.options["channel"]
         self.worker = ctx.worker_idx
         self.channel: _Channel | None = None
+        self.woken = False
 
     def open(self, deadline: Deadline) -> None:
         channel = _Channel.attach(self.name)
@@ -130,9 +146,12 @@ class _Receiver(ReceiverEndpoint):
     def recv(self, deadline: Deadline) -> Delivery | None:
         channel = self.channel
         with channel.cond:
-            channel.cond.wait_for(lambda: self.worker in channel.mailbox, _wait_s(deadline))
-            item = channel.mailbox.pop(self.worker, None)
+            channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken, _wait_s(deadline))
+            item = None if self.woken else channel.mailbox.pop(self.worker, None)
         return None if item is None else Delivery(item[0], item[1])
+
+    def wake(self) -> None:
+        _wake(self)
 
     def ack(self, data: bytes) -> None:
         with self.channel.cond:
@@ -156,6 +175,7 @@ class InprocTransport(Transport):
     """Receivers are threads of this process; ``channel`` names the meeting point (default: unique)."""
 
     name = "inproc"
+    interface = 1
     capabilities = Capabilities(processes=False, zero_copy=True)
 
     def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:

@@ -19,7 +19,7 @@ import torch
 from .errors import SchemaMismatchError
 from .lease import exclusive
 
-__all__ = ["Entry", "Layout", "ALIGN", "DTYPES"]
+__all__ = ["Entry", "Layout", "ALIGN", "DTYPES", "clip_keys"]
 
 #: Every tensor starts at a multiple of this many bytes (enough for any dtype and for SIMD copies).
 ALIGN = 64
@@ -153,9 +153,9 @@ class Layout:
         only_mine = sorted(set(self._by_key) - set(other._by_key))
         only_theirs = sorted(set(other._by_key) - set(self._by_key))
         if only_mine:
-            out.append(f"keys only on the {mine}: {_clip(only_mine)}")
+            out.append(f"keys only on the {mine}: {clip_keys(only_mine)}")
         if only_theirs:
-            out.append(f"keys only on the {theirs}: {_clip(only_theirs)}")
+            out.append(f"keys only on the {theirs}: {clip_keys(only_theirs)}")
         for key in sorted(set(self._by_key) & set(other._by_key)):
             a, b = self._by_key[key], other._by_key[key]
             if a.shape != b.shape:
@@ -334,6 +334,7 @@ def _adoptable(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
-def _clip(keys: list[str], n: int = 8) -> str:
+def clip_keys(keys: list[str], n: int = 8) -> str:
+    """``keys`` quoted and joined, the first ``n`` of them, saying how many more there are."""
     shown = ", ".join(repr(k) for k in keys[:n])
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")

@@ -7,7 +7,9 @@ can at worst send a malformed message, which raises TransportError and touches n
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ import torch
 
 from .errors import TransportError
 
-__all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "CRC_CHUNK", "PROTOCOL", "crc32"]
+__all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_DIGITS", "CRC_CHUNK",
+           "PROTOCOL", "crc32", "decode_json"]
 
 PROTOCOL = 1
 #: the largest header accepted (it may carry a full layout: ~100 bytes per tensor)
@@ -28,15 +31,70 @@ MAX_ACK_BYTES = 64 * 1024
 CRC_CHUNK = 16 * 1024 * 1024
 
 
-def _decode(data: bytes, limit: int, what: str) -> dict[str, Any]:
+#: the deepest nesting of arrays and objects accepted in any JSON from a peer
+MAX_JSON_DEPTH = 32
+#: the most digits an integer from a peer may have (int64 needs 19)
+MAX_JSON_DIGITS = 40
+#: the longest number literal of any kind accepted from a peer
+_MAX_NUMBER_CHARS = 64
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_DIGITS:
+        raise TransportError(f"an integer of {len(text)} characters (the limit is {MAX_JSON_DIGITS} digits)")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text) if len(text) <= _MAX_NUMBER_CHARS else math.inf
+    if not math.isfinite(value):
+        raise TransportError(f"a number out of range: {text[:40]!r}")
+    return value
+
+
+def _parse_constant(text: str) -> Any:
+    raise TransportError(f"{text} is not JSON")
+
+
+def _depth_ok(text: str) -> bool:
+    """Whether ``text``'s arrays and objects nest at most MAX_JSON_DEPTH deep (strings skipped)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return True
+    depth = 0
+    for m in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return False
+    return True
+
+
+def decode_json(data: Any, what: str, max_bytes: int) -> Any:
+    """The value of JSON bytes from a peer, checked as it is parsed: at most ``max_bytes`` bytes,
+    strict UTF-8, nesting at most MAX_JSON_DEPTH deep, integers of at most MAX_JSON_DIGITS
+    digits, finite numbers only. Raises TransportError naming ``what`` for anything else."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TransportError(f"{what} must be bytes, got {type(data).__name__}")
-    if len(data) > limit:
-        raise TransportError(f"{what} of {len(data)} bytes exceeds the limit of {limit} bytes")
+    size = memoryview(data).nbytes
+    if size > max_bytes:
+        raise TransportError(f"{what} of {size} bytes exceeds the limit of {max_bytes} bytes")
     try:
-        obj = json.loads(bytes(data))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TransportError(f"{what} is not UTF-8: {exc}") from None
+    if not _depth_ok(text):
+        raise TransportError(f"{what} nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except TransportError as exc:
+        raise TransportError(f"{what} is malformed: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise TransportError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _decode(data: bytes, limit: int, what: str) -> dict[str, Any]:
+    obj = decode_json(data, what, limit)
     if not isinstance(obj, dict) or obj.get("wsync") != PROTOCOL:
         raise TransportError(f"{what} is not a wsync protocol {PROTOCOL} message")
     return obj
@@ -47,6 +105,19 @@ def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], what: s
     if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
         raise TransportError(f"{what} field {key!r} is missing or malformed: {value!r:.60}")
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _layout_shaped(raw: Any) -> bool:
+    """Whether a header's layout has the wire form's types (its consistency is Layout.from_wire's to check)."""
+    return isinstance(raw, list) and all(
+        isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], str)
+        and isinstance(e[2], list) and all(_is_int(d) and 0 <= d < 1 << 63 for d in e[2])
+        and _is_int(e[3]) and _is_int(e[4]) and 0 <= e[3] < 1 << 63 and 0 <= e[4] < 1 << 63
+        for e in raw)
 
 
 def crc32(buffer: torch.Tensor) -> list[int]:
@@ -92,15 +163,19 @@ class Header:
         obj = _decode(data, MAX_HEADER_BYTES, "header")
         version = _field(obj, "v", int, "header")
         nbytes = _field(obj, "n", int, "header")
-        if version < 0 or nbytes < 0:
-            raise TransportError(f"header has a negative version or size ({version}, {nbytes})")
+        if not (0 <= version < 1 << 63 and 0 <= nbytes < 1 << 63):
+            raise TransportError(f"header has a version or size out of range ({version}, {nbytes})")
         crc = obj.get("c")
         chunks = max(1, -(-nbytes // CRC_CHUNK))
         if crc is not None and not (isinstance(crc, list) and len(crc) == chunks
-                                    and all(isinstance(c, int) and not isinstance(c, bool) for c in crc)):
+                                    and all(_is_int(c) and 0 <= c < 1 << 32 for c in crc)):
             raise TransportError(f"header field 'c' is malformed: {crc!r:.60} (expected {chunks} CRC32s)")
+        layout = obj.get("l")
+        if layout is not None and not _layout_shaped(layout):
+            raise TransportError(f"header field 'l' is malformed: {layout!r:.60} (expected a list of "
+                                 f"[key, dtype, shape, offset, nbytes])")
         return cls(version, _field(obj, "m", str, "header"), _field(obj, "d", str, "header"),
-                   nbytes, crc, obj.get("l"))
+                   nbytes, crc, layout)
 
 
 @dataclass(frozen=True)

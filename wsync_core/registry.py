@@ -20,7 +20,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import UnknownTransportError
-from .transport import Transport
+from .transport import Transport, check_interface
 
 __all__ = ["TransportInfo", "Command", "list_transports", "get_transport", "resolve_transport", "list_commands",
            "ENTRY_POINT_GROUP"]
@@ -116,6 +116,7 @@ def _load() -> _Loaded:
             name = getattr(cls, "name", None)
             if not isinstance(name, str) or not name.isidentifier():
                 raise TypeError(f"{cls.__qualname__}.name must be an identifier string, got {name!r}")
+            check_interface(cls)
             if name in disabled:
                 return
             if name in classes:
@@ -179,6 +180,7 @@ def list_commands() -> dict[str, Command]:
 def resolve_transport(transport: str | Transport, options: dict[str, Any]) -> Transport:
     """A Transport object from a name and options, or the object itself (then ``options`` must be empty)."""
     if isinstance(transport, Transport):
+        check_interface(type(transport))
         if options:
             raise TypeError(f"options {sorted(options)} are for a transport given by name; "
                             f"pass them to {type(transport).__name__}(...) instead")

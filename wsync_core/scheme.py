@@ -1,4 +1,4 @@
-"""``WeightSyncScheme``: one state machine for the trainer (sender) and each worker (receiver).
+"""``WeightSyncScheme``: what users call, on the trainer (sender) and on each worker (receiver).
 
 States and the calls that move between them (any other call raises StateError)::
 
@@ -6,58 +6,31 @@ States and the calls that move between them (any other call raises StateError)::
     NEW --init_on_receiver--> RECEIVER --connect--> RECEIVER_CONNECTED --receive--> (same)
     any --shutdown--> CLOSED
 
-The scheme owns snapshots, versions, acks, timeouts, schema and checksum checks; its transport
-only moves bytes (see ``wsync_core.transport``).
+This module is the facade: configuration, pickling, the state machine, the lock, fork. The
+work of each role is in ``sender.Sender`` and ``receiver.Receiver``; the transport only moves
+bytes (see ``wsync_core.transport``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import json
-import logging
 import os
 import threading
-import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
-
 from .deadline import Deadline
-from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
-from .layout import Layout
-from .lease import LeaseBook
-from .protocol import Ack, Header, crc32
+from .errors import StateError
+from .receiver import Receiver
 from .registry import resolve_transport
 from .report import SendReport
-from .transport import (
-    Acked,
-    Delivery,
-    Event,
-    Joined,
-    Left,
-    ReceiverContext,
-    ReceiverEndpoint,
-    SenderContext,
-    SenderEndpoint,
-    Transport,
-)
-from .weights import Weights, check_strategy, flatten, materialize, meta_keys
+from .sender import Sender, SendHandle
+from .transport import Transport
+from .weights import Weights, check_strategy
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
-
-log = logging.getLogger("wsync")
-
-#: how many unfinished sends a sender remembers (an ack for v also completes every send before v)
-_MAX_PENDING = 256
-#: how often a connected sender answers its transport between calls (seconds)
-_SERVICE_INTERVAL = 0.01
-_ERROR_TYPES: dict[str, type[WsyncError]] = {
-    "SchemaMismatchError": SchemaMismatchError,
-    "TransportError": TransportError,
-}
 
 
 class _State(enum.Enum):
@@ -67,33 +40,6 @@ class _State(enum.Enum):
     RECEIVER = "initialized as receiver"
     RECEIVER_CONNECTED = "connected receiver"
     CLOSED = "shut down"
-
-
-class SendHandle:
-    """An unfinished send; ``wait`` blocks until every target has applied ``version``."""
-
-    def __init__(self, scheme: WeightSyncScheme, version: int, targets: list[int]) -> None:
-        self._scheme = scheme
-        self.version = version
-        self.targets = targets
-
-    def done(self) -> bool:
-        """True once every target acked this version (collects waiting acks, never blocks)."""
-        return self._scheme._outstanding(self.version, self.targets, Deadline(0.0)) == ([], {})
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Return the version once all targets applied it.
-
-        Raises WorkerTimeoutError naming the targets that did not ack by the timeout (the
-        scheme's by default), or the error a worker reported for this version.
-        """
-        with self._scheme._lock:
-            self._scheme._expect(_State.SENDER_CONNECTED, "wait")
-            self._scheme._finish(self.version, self.targets, self._scheme._deadline(timeout))
-        return self.version
-
-    def __repr__(self) -> str:
-        return f"SendHandle(version={self.version}, targets={self.targets})"
 
 
 class WeightSyncScheme:
@@ -124,30 +70,8 @@ class WeightSyncScheme:
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._state = _State.NEW
-        self._version = -1
-        self._endpoint: SenderEndpoint | ReceiverEndpoint | None = None  # opened by connect()
-        self._unopened: SenderEndpoint | ReceiverEndpoint | None = None
+        self._role: Sender | Receiver | None = None
         self._finalizer: weakref.finalize | None = None
-        self._source: Any = None
-        self._layout: Layout | None = None
-        self._model_id: str = self._config["model_id"] or "policy"
-        self._listeners: list[Callable[[SendReport], None]] = []
-        # sender side
-        self._num_workers = 0
-        self._latest: tuple[torch.Tensor, Header] | None = None
-        self._acked: dict[int, int] = {}
-        self._joined: set[int] = set()
-        self._left: set[int] = set()
-        self._rejected: dict[int, Ack] = {}
-        self._layout_sent: set[int] = set()
-        self._pending: OrderedDict[int, tuple[SendReport, float]] = OrderedDict()
-        self.last_report: SendReport | None = None
-        self._service: threading.Thread | None = None
-        self._stop_service = threading.Event()
-        # receiver side
-        self._worker_idx: int | None = None
-        self._leases = LeaseBook()
-        self._adopted = _Adopted()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"transport": self._transport, "config": dict(self._config)}
@@ -175,7 +99,7 @@ class WeightSyncScheme:
 
     @property
     def model_id(self) -> str:
-        return self._model_id
+        return self._role.model_id if self._role is not None else self._config["model_id"] or "policy"
 
     @property
     def version(self) -> int:
@@ -183,18 +107,23 @@ class WeightSyncScheme:
 
         -1 before connect.
         """
-        return self._version
+        return self._role.version if self._role is not None else -1
 
     @property
     def worker_idx(self) -> int | None:
-        return self._worker_idx
+        return self._role.worker_idx if isinstance(self._role, Receiver) else None
+
+    @property
+    def last_report(self) -> SendReport | None:
+        """Sender: the report of the last send (bytes, snapshot time, per-worker ack latency)."""
+        return self._role.last_report if isinstance(self._role, Sender) else None
 
     @property
     def state(self) -> str:
         return self._state.value
 
     def __repr__(self) -> str:
-        return f"WeightSyncScheme({self._transport!r}, state={self._state.value!r}, version={self._version})"
+        return f"WeightSyncScheme({self._transport!r}, state={self._state.value!r}, version={self.version})"
 
     # -- helpers ----------------------------------------------------------------------------
     def _deadline(self, timeout: float | None) -> Deadline:
@@ -233,19 +162,36 @@ class WeightSyncScheme:
             hint = "this scheme is a receiver"
         raise StateError(f"{call}() needs {need}, but this scheme is {self._state.value}; {hint}")
 
-    def _open(self, endpoint: SenderEndpoint | ReceiverEndpoint, deadline: Deadline) -> None:
-        try:
-            endpoint.open(deadline)
-        except BaseException:
-            endpoint.close()
-            raise
-        self._endpoint = endpoint
-        self._finalizer = weakref.finalize(self, _close, endpoint, self._stop_service, self._lock, self._pid,
-                                           self._adopted, self._leases)
+    def _opened(self) -> None:
+        """Once the role's endpoint is open: close it when this scheme is collected unshut."""
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, _close, self._role, self._pid)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
-        self._listeners.append(listener)
+        with self._lock:
+            if not isinstance(self._role, Sender):
+                self._expect(_State.SENDER, "add_report_listener")
+            self._role.listeners.append(listener)
+
+    def add_apply_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(version)`` each time this receiver applied a version (the initial one
+        at connect included), from the thread that applied it, before its ack (a sync send()
+        returns after every worker's listeners ran); an error it raises comes out of the call
+        that applied, the ack is sent anyway. Not pickled."""
+        with self._lock:
+            if not isinstance(self._role, Receiver):
+                self._expect(_State.RECEIVER, "add_apply_listener")
+            self._role.apply_listeners.append(listener)
+
+    def set_apply_guard(self, guard: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        """Receiver: enter ``guard()`` around every change to the model's tensors, so a version is
+        applied only at the worker's safe point (e.g. a lock its step loop holds while it uses
+        the model). Not pickled; default: no guard."""
+        with self._lock:
+            if not isinstance(self._role, Receiver):
+                self._expect(_State.RECEIVER, "set_apply_guard")
+            self._role.guard = guard
 
     # -- sender ------------------------------------------------------------------------------
     def init_on_sender(
@@ -259,64 +205,18 @@ class WeightSyncScheme:
         """Make this scheme the sender of ``model`` (or ``weights``) to ``num_workers`` workers.
 
         Nothing is sent and no resource is taken until ``connect()``. Raises StateError if the
-        scheme was already initialized, ValueError/TypeError for bad arguments.
+        scheme was already initialized, ValueError/TypeError for bad arguments (weights on the
+        meta device among them).
         """
         self._adopt_fork()
         with self._lock:
             self._expect(_State.NEW, "init_on_sender")
             if (model is None) == (weights is None):
                 raise ValueError("init_on_sender() needs exactly one of model= or weights=")
-            if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-                raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-            source = model if model is not None else weights
-            tensors = flatten(source, self.strategy)
-            meta = meta_keys(tensors)
-            if meta:
-                raise ValueError(f"init_on_sender(): the weights to send are on the meta device and hold no data "
-                                 f"({_clip(meta)}); materialize them (e.g. module.to_empty(device=...) and load "
-                                 f"real values) before sending")
-            layout = Layout.of(tensors)
-            ctx = SenderContext(num_workers, layout, model_id, _device_of(tensors))
-            endpoint = self._transport.sender(ctx)
-            self._source, self._layout, self._num_workers = source, layout, num_workers
-            self._model_id = model_id
+            self._role = Sender(self._transport, model if model is not None else weights, num_workers=num_workers,
+                                model_id=model_id, strategy=self.strategy, lock=self._lock)
             self._config["model_id"] = model_id
-            self._acked = {w: -1 for w in range(num_workers)}
-            self._unopened = endpoint
             self._state = _State.SENDER
-
-    def _connect_sender(self, deadline: Deadline) -> None:
-        self._open(self._unopened, deadline)
-        self._unopened = None
-        self._state = _State.SENDER_CONNECTED
-        self._publish_new(flatten(self._source, self.strategy), list(range(self._num_workers)), deadline, version=0)
-        self._pump(Deadline(0.0))
-        self._service = threading.Thread(target=self._serve, args=(weakref.ref(self), self._stop_service),
-                                         name="wsync-sender-service", daemon=True)
-        self._service.start()
-        self._finish(0, list(range(self._num_workers)), deadline)
-
-    @staticmethod
-    def _serve(ref: weakref.ref, stop: threading.Event) -> None:
-        """Between calls, keep answering the transport: late joiners get the latest version and
-        acks of asynchronous sends are collected, without waiting for the next send()."""
-        last_error = ""
-        while not stop.wait(_SERVICE_INTERVAL):
-            scheme = ref()
-            if scheme is None:
-                return
-            if scheme._lock.acquire(blocking=False):
-                try:
-                    if scheme._state is _State.SENDER_CONNECTED:
-                        scheme._pump(Deadline(0.0))
-                        last_error = ""
-                except WsyncError as exc:  # the next call on the scheme raises it; say it once here
-                    if str(exc) != last_error:
-                        log.warning("sender service: %s", exc)
-                    last_error = str(exc)
-                finally:
-                    scheme._lock.release()
-            del scheme
 
     def send(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
              timeout: float | None = None) -> int:
@@ -331,7 +231,7 @@ class WeightSyncScheme:
         if self.sync:
             with self._lock:
                 self._expect(_State.SENDER_CONNECTED, "send")
-                self._finish(handle.version, handle.targets, deadline)
+                self._role.finish(handle.version, handle.targets, deadline)
         return handle.version
 
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
@@ -343,160 +243,12 @@ class WeightSyncScheme:
         self._adopt_fork()
         with self._lock:
             self._expect(_State.SENDER_CONNECTED, "send")
-            targets = self._targets(worker_ids)
-            if weights is None:
-                tensors = flatten(self._source, self.strategy, detach=False)
-            else:
-                tensors = flatten(weights, self.strategy, detach=False)
-            self._layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
-                                    context="send(weights=...)")
-            self._pump(Deadline(0.0))
-            version = self._publish_new(tensors, targets, deadline, version=self._version + 1)
-            return SendHandle(self, version, targets)
+            return self._role.send_async(weights, worker_ids, deadline, self._wait)
 
-    def _targets(self, worker_ids: Iterable[int] | None) -> list[int]:
-        if worker_ids is None:
-            return list(range(self._num_workers))
-        if isinstance(worker_ids, int):
-            worker_ids = [worker_ids]
-        targets = sorted(set(worker_ids))
-        bad = [w for w in targets if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self._num_workers]
-        if bad or not targets:
-            raise ValueError(f"worker_ids must be a non-empty list of ints in [0, {self._num_workers}), got {worker_ids!r}")
-        return targets
-
-    def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
-                     version: int) -> int:
-        endpoint = self._endpoint
-        t0 = time.perf_counter()
-        buffer = endpoint.acquire(deadline)
-        step = endpoint.stream_bytes
-        if step > 0 and not self._transport.checksum:  # a checksum needs the whole payload first
-            joined = [w for w in targets if w in self._joined]
-            self._layout.pack_stream(tensors, buffer, step, lambda n: endpoint.ready(buffer, n, joined))
-        else:
-            self._layout.pack(tensors, buffer)
-        if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
-        crc = crc32(buffer) if self._transport.checksum else None
-        header = Header(version, self._model_id, self._layout.digest, self._layout.nbytes, crc)
-        t1 = time.perf_counter()
-        self._version = version
-        self._latest = (buffer, header)
-        report = SendReport(version, self._layout.nbytes, targets, snapshot_s=t1 - t0)
-        self._pending[version] = (report, t0)
-        while len(self._pending) > _MAX_PENDING:
-            self._pending.popitem(last=False)
-        self.last_report = report
-        for w in targets:
-            self._rejected.pop(w, None)
-        self._deliver([w for w in targets if w in self._joined])
-        report.publish_s = time.perf_counter() - t1
-        log.debug("version %d: %d bytes to %s, snapshot %.3f ms", version, report.nbytes, targets,
-                  report.snapshot_s * 1e3)
-        return version
-
-    def _deliver(self, workers: list[int]) -> None:
-        """Publish the latest snapshot to ``workers``; a worker's first delivery carries the layout."""
-        if not workers or self._latest is None:
-            return
-        buffer, header = self._latest
-        fresh = [w for w in workers if w not in self._layout_sent]
-        known = [w for w in workers if w in self._layout_sent]
-        if known:
-            self._endpoint.publish(buffer, header.encode(), known)
-        if fresh:
-            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.crc,
-                          layout=_layout_wire(self._layout))
-            self._endpoint.publish(buffer, full.encode(), fresh)
-            self._layout_sent.update(fresh)
-
-    def _pump(self, deadline: Deadline) -> None:
-        """Handle the transport's events, waiting for some until ``deadline``."""
-        for event in self._endpoint.poll(deadline):
-            self._handle(event)
-
-    def _handle(self, event: Event) -> None:
-        w = event.worker
-        if not (isinstance(w, int) and 0 <= w < self._num_workers):
-            log.warning("ignoring %s from unknown worker %r (num_workers=%d)", type(event).__name__, w,
-                        self._num_workers)
-            return
-        if isinstance(event, Joined):
-            log.info("worker %d joined", w)
-            self._joined.add(w)
-            self._left.discard(w)
-            self._acked[w] = -1
-            self._layout_sent.discard(w)
-            self._deliver([w])
-        elif isinstance(event, Left):
-            log.info("worker %d left: %s", w, event.reason)
-            self._joined.discard(w)
-            self._left.add(w)
-        elif isinstance(event, Acked):
-            try:
-                ack = Ack.decode(event.data)
-                if ack.worker != w or ack.version > self._version:
-                    raise TransportError(f"ack names worker {ack.worker}, version {ack.version}")
-            except TransportError as exc:
-                log.warning("worker %d sent a malformed ack: %s", w, exc)
-                self._rejected[w] = Ack(w, self._version, f"malformed ack: {exc}", "TransportError")
-                return
-            if ack.error is not None:
-                log.warning("worker %d rejected version %d: %s", w, ack.version, ack.error)
-                self._rejected[w] = ack
-                return
-            if ack.version > self._acked[w]:
-                previous, self._acked[w] = self._acked[w], ack.version
-                now = time.perf_counter()
-                for version in reversed(self._pending):  # newest first: older ones were done by `previous`
-                    if version <= previous:
-                        break
-                    report, t0 = self._pending[version]
-                    if version <= ack.version and w in report.targets and w not in report.ack_latency:
-                        report.ack_latency[w] = now - t0
-                        if report.complete:
-                            report.total_s = now - t0
-                            report.missing = []
-                            self._notify(report)
-
-    def _notify(self, report: SendReport) -> None:
-        for listener in self._listeners:
-            listener(report)
-
-    def _outstanding(self, version: int, targets: list[int], deadline: Deadline) -> tuple[list[int], dict[int, Ack]]:
-        """Collect events until every target acked ``version`` or failed, or the deadline passes.
-
-        Returns (targets still missing, rejections by worker).
-        """
-        while True:
-            rejected = {w: a for w in targets if (a := self._rejected.get(w)) and a.version >= version}
-            missing = [w for w in targets if self._acked[w] < version and w not in rejected]
-            alive = [w for w in missing if w not in self._left]
-            if not alive or deadline.expired():
-                return missing, rejected
-            self._pump(deadline)
-
-    def _finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
-        missing, rejected = self._outstanding(version, targets, deadline)
-        entry = self._pending.get(version)
-        if entry is not None:
-            report = entry[0]
-            report.missing = missing + sorted(rejected)
-            if report.missing:
-                self._notify(report)
-        if rejected:
-            w, ack = min(rejected.items())
-            cls = _ERROR_TYPES.get(ack.error_type or "", TransportError)
-            others = f" (also failed: {sorted(set(rejected) - {w})})" if len(rejected) > 1 else ""
-            raise cls(f"worker {w} rejected version {version}: {ack.error}{others}")
-        if missing:
-            gone = [w for w in missing if w in self._left]
-            detail = f"; workers {gone} disconnected" if gone else ""
-            updated = [w for w in targets if w not in missing and w not in rejected]
-            raise WorkerTimeoutError(
-                f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
-                f"updated: {updated}", missing)
+    def _wait(self, handle: SendHandle, timeout: float | None) -> None:
+        with self._lock:
+            self._expect(_State.SENDER_CONNECTED, "wait")
+            self._role.finish(handle.version, handle.targets, self._deadline(timeout))
 
     # -- receiver ----------------------------------------------------------------------------
     def init_on_receiver(self, *, model: Weights, worker_idx: int, model_id: str | None = None) -> None:
@@ -508,139 +260,60 @@ class WeightSyncScheme:
         self._adopt_fork()
         with self._lock:
             self._expect(_State.NEW, "init_on_receiver")
-            if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
-                raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
-            tensors = flatten(model, self.strategy)
-            layout = Layout.of(tensors)
-            model_id = model_id or self._model_id
-            device = _device_of(tensors)
-            if device.type == "meta":  # materialized on the CPU from the first payload
-                device = torch.device("cpu")
-            endpoint = self._transport.receiver(ReceiverContext(worker_idx, layout, model_id, device))
-            self._source, self._layout, self._worker_idx, self._model_id = model, layout, worker_idx, model_id
-            self._unopened = endpoint
+            self._role = Receiver(self._transport, model, worker_idx=worker_idx,
+                                  model_id=model_id or self.model_id, strategy=self.strategy, lock=self._lock)
             self._state = _State.RECEIVER
-
-    def _connect_receiver(self, deadline: Deadline) -> None:
-        if self._endpoint is None:
-            self._open(self._unopened, deadline)
-            self._unopened = None
-        while True:
-            if self._receive(deadline) is not None:
-                break
-            if deadline.expired():
-                raise WorkerTimeoutError(
-                    f"worker {self._worker_idx} got no weights from the sender within {deadline.timeout:g} s; "
-                    f"is the sender connecting with the same transport options?", [])
-        self._state = _State.RECEIVER_CONNECTED
 
     def receive(self, timeout: float = 0.0) -> int | None:
         """Apply the newest version that arrived, waiting up to ``timeout`` seconds for one.
 
         Returns the version applied, or None if nothing new came. A damaged or mismatched
         payload raises TransportError or SchemaMismatchError and leaves the model untouched.
+        If ``shutdown()`` is called from another thread meanwhile, the wait ends at once and
+        this raises StateError (like any call on a scheme that was shut down).
         """
         self._adopt_fork()
         with self._lock:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
-            return self._receive(Deadline(timeout))
+            version = self._role.receive(Deadline(timeout))
+            if version is None:
+                self._role.check_closing("receive()")
+            return version
 
-    def _receive(self, deadline: Deadline) -> int | None:
-        endpoint: ReceiverEndpoint = self._endpoint  # type: ignore[assignment]
-        self._leases.drain()  # memory the worker stopped viewing since the last call
-        best: tuple[Delivery, Header] | None = None
-        stale = False
-        delivery = endpoint.recv(deadline)
-        try:
-            while delivery is not None:
-                try:
-                    header = Header.decode(delivery.header)
-                except TransportError as exc:
-                    _release(delivery)
-                    self._reject(self._version, exc)
-                    raise
-                if header.version > (best[1].version if best else self._version):
-                    if best is not None:
-                        _release(best[0])
-                    best = (delivery, header)
-                else:
-                    stale = True
-                    _release(delivery)
-                delivery = endpoint.recv(Deadline(0.0))
-        except BaseException:
-            if best is not None:
-                _release(best[0])
-            raise
-        if best is None:
-            if stale and self._version >= 0:
-                # a re-delivery of what this worker holds (e.g. after a reconnect): the sender may
-                # still wait for that ack
-                endpoint.ack(Ack(self._worker_idx, self._version).encode())
-            return None
-        delivery, header = best
-        try:
-            self._apply(delivery, header)
-        except (SchemaMismatchError, TransportError) as exc:
-            _release(delivery)
-            self._reject(header.version, exc)
-            raise
-        finally:
-            _release(delivery)  # a no-op for memory the model now views: its lease gives it back
-        self._version = header.version
-        del delivery, best
-        self._leases.drain()  # before the ack: the sender may reuse what the model stopped viewing
-        endpoint.ack(Ack(self._worker_idx, header.version).encode())
-        return header.version
+    def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until this receiver holds ``version`` or a newer one, applying versions as they
+        arrive; returns the version held (another thread's receive() counts too).
 
-    def _reject(self, version: int, exc: WsyncError) -> None:
-        log.warning("worker %s rejected version %d: %s", self._worker_idx, version, exc)
-        self._endpoint.ack(Ack(self._worker_idx, version, str(exc), type(exc).__name__).encode())
+        Raises WorkerTimeoutError (naming this worker) if it does not by the timeout (the
+        scheme's by default), or what receive() raises for a bad payload.
+        """
+        self._adopt_fork()
+        with self._lock:
+            self._expect(_State.RECEIVER_CONNECTED, "wait_for_version")
+            receiver = self._role
+        return receiver.wait_for_version(version, self._deadline(timeout),
+                                         lambda: self._expect(_State.RECEIVER_CONNECTED, "wait_for_version"))
 
-    def _apply(self, delivery: Delivery, header: Header) -> None:
-        """Check everything about a delivery, then copy it into the model, or make the model's
-        tensors views of it where the delivery is adoptable (the model's memory then is leased:
-        ``delivery.release`` runs once nothing views it). Nothing is written on error."""
-        layout = self._layout
-        where = f"worker {self._worker_idx}, version {header.version}"
-        if header.model_id != self._model_id:
-            raise SchemaMismatchError(f"{where}: payload is for model {header.model_id!r}, this receiver "
-                                      f"holds {self._model_id!r}")
-        if header.digest != layout.digest:
-            if header.layout is not None:
-                try:
-                    theirs = Layout.from_wire(header.layout)
-                except ValueError as exc:
-                    raise TransportError(f"{where}: malformed layout in header: {exc}") from None
-                theirs.check_matches(layout, context=where)
-            raise SchemaMismatchError(f"{where}: sender layout {header.digest[:12]} differs from this "
-                                      f"model's {layout.digest[:12]}")
-        payload = delivery.payload
-        if (header.nbytes != layout.nbytes or not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
-                or payload.dim() != 1 or payload.numel() != layout.nbytes):
-            size = payload.numel() if isinstance(payload, torch.Tensor) else "no tensor"
-            raise TransportError(f"{where}: payload has {size} bytes (header says {header.nbytes}), "
-                                 f"expected {layout.nbytes}")
-        if header.crc is not None and crc32(payload) != header.crc:
-            raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
-        targets = flatten(self._source, self.strategy, detach=False)
-        layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
-        if meta_keys(targets):  # a model built on the meta device gets real memory from its first payload
-            materialize(self._source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
-            targets = flatten(self._source, self.strategy, detach=False)
-        layout.check_writable(targets, context=where)
-        if delivery.adoptable and payload.device.type == "cpu":
-            release, delivery.release = delivery.release, None
-            payload = self._leases.wrap(payload, release)
-            self._adopted.add(layout.adopt(payload, targets))
-        else:
-            layout.unpack(payload, targets)
-        if payload.is_cuda or any(t.is_cuda for t in targets.values()):
-            torch.cuda.synchronize()
+    def rebind(self, model: Weights) -> None:
+        """Receiver: apply future versions to ``model`` (same layout) instead of the model given
+        to init_on_receiver(), e.g. a copy moved to another device; once connected, the version
+        held is copied into it first. Raises SchemaMismatchError if its layout differs."""
+        self._adopt_fork()
+        with self._lock:
+            if self._state not in (_State.RECEIVER, _State.RECEIVER_CONNECTED):
+                self._expect(_State.RECEIVER, "rebind")
+            self._role.rebind(model, connected=self._state is _State.RECEIVER_CONNECTED)
 
     # -- both --------------------------------------------------------------------------------
-    def connect(self, timeout: float | None = None) -> None:
+    def connect(self, timeout: float | None = None, *,
+                watch: Callable[[list[int]], Mapping[int, str]] | None = None) -> None:
         """Sender: publish version 0 and wait until every worker holds it. Receiver: wait for
         the current version and apply it.
+
+        ``watch`` (sender only) is called every 0.1 s with the workers that have not applied
+        version 0 yet, and returns ``{worker: why}`` for those known to be dead (e.g. their
+        process exited, with its error); connect then raises WorkerDiedError at once, naming
+        them and quoting ``why``, instead of waiting out the timeout.
 
         Raises WorkerTimeoutError on expiry (a sender stays connected and usable for the
         workers that answered), SchemaMismatchError if the two sides' weights differ.
@@ -648,88 +321,48 @@ class WeightSyncScheme:
         self._adopt_fork()
         with self._lock:
             deadline = self._deadline(timeout)
+            if watch is not None and self._state is not _State.SENDER:
+                raise ValueError("connect(watch=...) is for a sender; receivers have no workers to watch")
             if self._state is _State.SENDER:
-                self._connect_sender(deadline)
+                self._role.open(deadline)
+                self._opened()
+                self._state = _State.SENDER_CONNECTED  # usable for the workers that answer, whatever follows
+                self._role.start(deadline, watch)
             elif self._state is _State.RECEIVER:
-                self._connect_receiver(deadline)
+                self._role.open(deadline)
+                self._opened()
+                self._role.connect(deadline)
+                self._state = _State.RECEIVER_CONNECTED
             else:
-                self._expect(_State.RECEIVER if self._worker_idx is not None else _State.SENDER, "connect")
+                self._expect(_State.RECEIVER if self.worker_idx is not None else _State.SENDER, "connect")
 
     def shutdown(self) -> None:
-        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards."""
+        """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards.
+
+        Safe to call from another thread: a ``receive()``, receiver ``connect()`` or handle
+        ``wait()`` waiting there ends at once with StateError, then the resources are freed.
+        """
         self._adopt_fork()
-        self._stop_service.set()
-        if self._service is not None and self._service is not threading.current_thread():
-            self._service.join()
+        role = self._role
+        if role is not None:
+            role.closing = True
+            role.endpoint.wake()  # before taking the lock, which a waiting receive() holds
+            if isinstance(role, Sender):
+                role.stop()
         self._adopt_fork()
         with self._lock:
-            if self._layout is not None:
-                self._layout.drop_views()
-            if self._finalizer is not None:
-                self._finalizer()
-            elif self._unopened is not None:
-                self._unopened.close()
-            self._leases.close()
-            self._unopened = None
-            self._endpoint = None
-            self._source = None
-            self._latest = None
+            if role is not None:
+                role.layout.drop_views()
+                if self._finalizer is not None:
+                    self._finalizer()
+                else:
+                    role.endpoint.close()
+            self._role = None
             self._state = _State.CLOSED
 
 
-def _close(endpoint: SenderEndpoint | ReceiverEndpoint, stop_service: threading.Event, lock: threading.RLock,
-           pid: int, adopted: _Adopted, leases: LeaseBook) -> None:
-    """Close an endpoint once no one uses it: the service thread is stopped first and the lock held,
-    and a model that views a transport's memory gets its own copy first (a closed transport may
-    reuse that memory). A forked child never closes its parent's endpoint."""
-    if os.getpid() != pid:
-        return
-    stop_service.set()
-    with lock:
-        adopted.materialize()
-        leases.close()
-        endpoint.close()
-
-
-class _Adopted:
-    """The model's tensors that view leased memory, with the address each was given."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self) -> None:
-        self.tensors: dict[int, tuple[torch.Tensor, int]] = {}
-
-    def add(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            self.tensors[id(t)] = (t, t.data_ptr())
-
-    def materialize(self) -> None:
-        """Give each tensor that still views what it was given its own memory (a copy). One the
-        user moved since (``share_memory_()``, a new ``.data``) is left as it is."""
-        with torch.no_grad():
-            for t, ptr in self.tensors.values():
-                if t.data_ptr() == ptr:
-                    t.data = t.data.clone()
-        self.tensors = {}
-
-
-def _release(delivery: Delivery) -> None:
-    """Give a delivery back to its transport, once: later calls do nothing."""
-    release, delivery.release = delivery.release, None
-    if release is not None:
-        release()
-
-
-def _device_of(tensors: dict[str, torch.Tensor]) -> torch.device:
-    for t in tensors.values():
-        return t.device
-    return torch.device("cpu")
-
-
-def _layout_wire(layout: Layout) -> Any:
-    return json.loads(layout.to_json())
-
-
-def _clip(keys: list[str], n: int = 6) -> str:
-    shown = ", ".join(repr(k) for k in keys[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+def _close(role: Sender | Receiver, pid: int) -> None:
+    """Close a role's endpoint once no one uses it (the scheme was shut down or collected). A
+    forked child never closes its parent's endpoint."""
+    if os.getpid() == pid:
+        role.close()

@@ -19,7 +19,8 @@ Rules every transport keeps (the conformance suite checks them):
 2. ``publish`` hands the buffer to exactly the listed workers and returns without waiting for
    them to apply it; it may re-publish the latest buffer to a worker that (re)joins.
 3. A receiver only needs the newest delivery: a transport may drop older undelivered ones.
-4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline.
+4. ``recv``, ``poll`` and ``acquire`` return or raise by their deadline; ``recv`` (and ``poll``)
+   return at once after ``wake``, called from another thread when the scheme shuts down.
 5. Nothing received from another process is unpickled; ``close`` frees every resource.
 
 The whole interface, with what each call returns and may raise, the threading rules and the
@@ -54,10 +55,17 @@ __all__ = [
     "free_port",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
+    "INTERFACE_VERSION",
+    "check_interface",
 ]
 
 #: below this payload size, copying into a model costs less than mapping memory for it to adopt
 ZERO_COPY_MIN_BYTES = 1 << 20
+#: the version of the transport interface (this module) that this wsync-core implements. A
+#: transport class says which version it was written for (``interface = 1``); any change to what
+#: the core calls, or to what it expects back, raises it, and a plugin written for another
+#: version is refused when it loads, with both versions named
+INTERFACE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,11 @@ class SenderEndpoint(ABC):
     def poll(self, deadline: Deadline) -> list[Event]:
         """Events since the last call; waits for at least one until the deadline, then returns []."""
 
+    def wake(self) -> None:
+        """Make a ``poll`` waiting in another thread, and every later one, return at once: the
+        scheme is shutting down. Called from any thread, before ``close``. The default does
+        nothing (``poll`` then returns by its deadline)."""
+
     def close(self) -> None:
         """Free everything; idempotent."""
 
@@ -200,6 +213,12 @@ class ReceiverEndpoint(ABC):
     @abstractmethod
     def ack(self, data: bytes) -> None:
         """Send ``data`` to the sender (it sees ``Acked(worker_idx, data)``)."""
+
+    def wake(self) -> None:
+        """Make a ``recv`` waiting in another thread, and every later one, return None at once:
+        the scheme is shutting down. Called from any thread, before ``close``. A transport whose
+        ``recv`` blocks must implement it (a flag and a notify, or an eventfd its wait also
+        watches): ``shutdown()`` from another thread must not wait for the deadline."""
 
     def close(self) -> None:
         """Free everything; idempotent."""
@@ -219,6 +238,8 @@ class Transport(ABC):
 
     #: the name users pass to ``WeightSyncScheme``
     name: ClassVar[str]
+    #: the transport interface version this class implements (``wsync_core.INTERFACE_VERSION``)
+    interface: ClassVar[int]
     #: what the transport can do
     capabilities: ClassVar[Capabilities] = Capabilities()
 
@@ -245,6 +266,20 @@ class Transport(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts})"
+
+
+def check_interface(cls: type[Transport]) -> None:
+    """Raise TypeError unless ``cls`` implements the transport interface of this wsync-core,
+    naming both versions."""
+    version = getattr(cls, "interface", None)
+    if version != INTERFACE_VERSION:
+        from . import __version__
+
+        said = "does not say which transport interface it implements" if version is None else \
+            f"implements transport interface {version}"
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__} {said}; wsync-core {__version__} implements "
+                        f"interface {INTERFACE_VERSION} (set interface = {INTERFACE_VERSION} once it does; "
+                        f"docs/writing-a-transport.md lists what changed between versions)")
 
 
 def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:

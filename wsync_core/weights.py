@@ -18,7 +18,11 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy", "meta_keys", "materialize"]
+__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy", "meta_keys", "materialize",
+           "restore_extra_state", "EXTRA_STATE", "device_of"]
+
+#: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
+EXTRA_STATE = "_extra_state"
 
 Strategy = Literal["tensordict", "state_dict"]
 Weights = Union[nn.Module, TensorDictBase, Mapping[str, torch.Tensor]]
@@ -39,11 +43,17 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
     Raises TypeError if ``weights`` is not a module, a TensorDict or a mapping of tensors.
     """
     if isinstance(weights, nn.Module):
+        extras: list[tuple[str, nn.Module]] = []
         if strategy == "state_dict":
-            items = weights.state_dict(keep_vars=True).items()
+            items = [(k, v) for k, v in weights.state_dict(keep_vars=True).items() if not k.endswith(EXTRA_STATE)]
+            extras = _extra_state_modules(weights)
         else:
-            items = _module_tensors(weights)
-        return {k: _maybe_detach(v, detach) for k, v in items if v is not None}
+            items = _module_tensors(weights, extras)
+        out = {k: _maybe_detach(v, detach) for k, v in items if v is not None}
+        for prefix, module in extras:
+            for key, value in _extra_state_tensors(module, prefix).items():
+                out[key] = value
+        return out
     if isinstance(weights, TensorDictBase):
         out = {}
         for key, value in weights.items(include_nested=True, leaves_only=True):
@@ -75,7 +85,8 @@ def _maybe_detach(t: torch.Tensor, detach: bool) -> torch.Tensor:
     return t.detach() if detach else t
 
 
-def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+def _module_tensors(module: nn.Module, extras: list[tuple[str, nn.Module]] | None = None,
+                   ) -> list[tuple[str, torch.Tensor | None]]:
     """What ``named_parameters`` and ``named_buffers`` with ``remove_duplicate=False`` list (a
     tensor shared by two modules under both names), read straight from the module tree: a
     third of the cost, which counts for small models synced thousands of times a second."""
@@ -85,9 +96,77 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
     while stack:
         prefix, m = stack.pop()
         items += [(prefix + k, v) for k, v in m._parameters.items()]
+        if extras is not None and type(m).get_extra_state is not nn.Module.get_extra_state:
+            extras.append((prefix, m))  # modules with extra state, for the caller
         buffers += [(prefix + k, v) for k, v in m._buffers.items()]
         stack += [(f"{prefix}{k}.", sub) for k, sub in reversed(m._modules.items()) if sub is not None]
     return items + buffers
+
+
+def _extra_state_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules (with their key prefix) that define ``get_extra_state``."""
+    return [(f"{name}." if name else "", m) for name, m in module.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state]
+
+
+def _extra_state_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """A module's extra state as tensors: a tensor, or a mapping of tensors and numbers (a
+    number becomes a 0-d int64, float64 or bool tensor). Raises TypeError for anything else:
+    wsync never pickles."""
+    state = module.get_extra_state()
+    base = prefix + EXTRA_STATE
+    if state is None:
+        return {}
+    if isinstance(state, torch.Tensor):
+        return {base: state.detach()}
+    if isinstance(state, TensorDictBase):
+        state = state.flatten_keys(".").to_dict()
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{base}: extra state of {type(module).__name__} is a {type(state).__name__}; wsync "
+                        f"carries extra state that is a tensor or a mapping of tensors and numbers (never pickled)")
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[f"{base}.{key}"] = value.detach()
+        elif isinstance(value, (bool, int, float)):
+            out[f"{base}.{key}"] = torch.tensor(value, dtype=_NUMBER_DTYPES[type(value)])
+        else:
+            raise TypeError(f"{base}.{key}: extra state entry is a {type(value).__name__}; wsync carries "
+                            f"tensors and numbers (never pickled)")
+    return out
+
+
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+def restore_extra_state(weights: Any, targets: Mapping[str, torch.Tensor]) -> None:
+    """Hand each module of ``weights`` that has extra state the values now in ``targets`` (the
+    tensors ``flatten`` returned and a version was written into), through ``set_extra_state``:
+    private copies, numbers back as numbers. A no-op for anything but a module."""
+    if not isinstance(weights, nn.Module) or not any(EXTRA_STATE in k for k in targets):
+        return
+    for prefix, module in _extra_state_modules(weights):
+        base = prefix + EXTRA_STATE
+        if base in targets:
+            module.set_extra_state(targets[base].clone())
+            continue
+        before = module.get_extra_state()
+        if isinstance(before, TensorDictBase):
+            before = before.flatten_keys(".").to_dict()
+        if not isinstance(before, Mapping) or not before:
+            continue
+        state = {}
+        for key, old in before.items():
+            value = targets[f"{base}.{key}"]
+            state[key] = value.clone() if isinstance(old, torch.Tensor) else type(old)(value.item())
+        module.set_extra_state(state)
+
+
+def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device of the first tensor (the CPU for none)."""
+    for t in tensors.values():
+        return t.device
+    return torch.device("cpu")
 
 
 def meta_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -301,6 +301,42 @@ def _fill(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
     return {"digests": digests(s.model)}
 
 
+def _shutdown_while_receiving(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
+    """``receive(timeout=wait)`` in a second thread, ``shutdown()`` from this one ``after`` seconds
+    later; reports how the receive ended and how long each took."""
+    import time
+
+    out: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            out["result"] = s.scheme.receive(timeout=msg["wait"])
+        except Exception as exc:  # reported to the parent, which decides
+            out.update(error=type(exc).__name__, message=str(exc))
+        out["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=wait, name="wsync-conformance-blocked-receive", daemon=True)
+    thread.start()
+    time.sleep(msg["after"])
+    t0 = time.monotonic()
+    s.scheme.shutdown()
+    shutdown_s = time.monotonic() - t0
+    thread.join(msg["wait"] + 60)
+    return {"result": out.get("result"), "error": None, "receive_error": out.get("error"),
+            "message": out.get("message"), "shutdown_s": shutdown_s,
+            "ended_after_s": out["ended"] - t0 if "ended" in out else None}
+
+
+def _reshape(s: _Session, key: str) -> dict[str, Any]:
+    """Replace tensor ``key`` of a state_dict receiver model by one element longer, so its next
+    receive rejects the version (SchemaMismatchError) and leaves the model as it is."""
+    import torch
+
+    t = s.model[key]
+    s.model[key] = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return {"reshaped": key}
+
+
 def serve(conn, process: bool) -> None:
     """Answer the parent's commands until ``exit``; one receiver session at a time."""
     from . import resources
@@ -383,6 +419,13 @@ def serve(conn, process: bool) -> None:
                 from .portable import inspect_pickle
 
                 reply = inspect_pickle(session.scheme)
+            elif cmd == "shutdown_while_receiving":
+                reply = _shutdown_while_receiving(session, msg)
+            elif cmd == "raw_ack":  # a broken or hostile worker: any bytes, sent as its ack
+                session.scheme._role.endpoint.ack(base64.b64decode(msg["data"]))
+                reply = {"sent": True}
+            elif cmd == "reshape":
+                reply = _reshape(session, msg["key"])
             elif cmd == "audit":
                 reply = {"events": list(_audit_events)}
             elif cmd == "resources":
@@ -518,7 +561,7 @@ class Worker:
         return multiprocessing.connection.Connection(sock.detach()), proc
 
     def wait_started(self, timeout: float = 180.0) -> None:
-        self.pid = self.request("ping", wait=timeout)["pid"]
+        self.pid = self.request("ping", within=timeout)["pid"]
 
     @property
     def label(self) -> str:
@@ -559,10 +602,10 @@ class Worker:
             self.pending = None
         return reply
 
-    def request(self, cmd: str, wait: float = 60.0, **kw: Any) -> Reply:
-        """Send command ``cmd`` (``kw`` as its fields) and wait up to ``wait`` seconds for the answer."""
+    def request(self, cmd: str, within: float = 60.0, **kw: Any) -> Reply:
+        """Send command ``cmd`` (``kw`` as its fields) and wait up to ``within`` seconds for the answer."""
         self.send(cmd, **kw)
-        return self.recv(wait, f"answer to {cmd!r}")
+        return self.recv(within, f"answer to {cmd!r}")
 
     def open(self, scheme, spec, device: str, worker_idx: int, *, init: bool = True, model_id: str | None = None,
              timeout: float = 120.0) -> Reply:

@@ -32,6 +32,7 @@ from .checks import (
     VersionedChecks,
 )
 from .holding import HoldingChecks
+from .scenes import SceneChecks
 
 __all__ = ["TransportSuite"]
 
@@ -51,6 +52,7 @@ class TransportSuite(
     EndpointChecks,
     CapabilityChecks,
     HoldingChecks,
+    SceneChecks,
     SuiteBase,
 ):
     """Subclass and set ``transport`` (and ``options``) to run the whole suite against it."""

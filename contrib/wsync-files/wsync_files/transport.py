@@ -21,6 +21,7 @@ import contextlib
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -49,19 +50,24 @@ __all__ = ["FilesTransport"]
 _HOST = socket.gethostname()
 _PROC = os.path.isdir("/proc/self")
 _PAYLOAD = re.compile(r"payload-[0-9a-f]{12}-[0-9]+\.bin")
-_ACK = re.compile(r"ack-([0-9]+)-[0-9]{20}")
-_HELLO = re.compile(r"hello-([0-9]+)")
+_ACK = re.compile(r"ack-([0-9]{1,9})-[0-9]{20}")
+_HELLO = re.compile(r"hello-([0-9]{1,9})")
 T = TypeVar("T")
 
 
-def _poll(deadline: Deadline, check: Callable[[], T | None]) -> T | None:
-    """Call ``check`` until it returns something truthy or the deadline passes."""
+def _poll(deadline: Deadline, check: Callable[[], T | None], woken: threading.Event | None = None) -> T | None:
+    """Call ``check`` until it returns something truthy, the deadline passes or ``woken`` is set."""
     delay = 0.001
     while True:
+        if woken is not None and woken.is_set():
+            return None
         found = check()
         if found or deadline.expired():
             return found
-        time.sleep(deadline.slice(delay))
+        if woken is not None:
+            woken.wait(deadline.slice(delay))
+        else:
+            time.sleep(deadline.slice(delay))
         delay = min(2 * delay, 0.02)
 
 
@@ -119,7 +125,7 @@ def _unlink(path: str) -> None:
 def _alive(owner: bytes) -> bool:
     """Whether the process that wrote ``host pid token`` still runs (always True on another host)."""
     host, pid = (owner.split() + [b"", b""])[:2]
-    if host != _HOST.encode() or not pid.isdigit():
+    if host != _HOST.encode() or not (pid.isdigit() and len(pid) <= 10):
         return True
     if not _PROC:
         try:
@@ -253,6 +259,7 @@ class _Receiver(ReceiverEndpoint):
         self.acks = time.time_ns()  # ack sequence: rises across restarts of this worker
         self.free: list[torch.Tensor] = []
         self.opened = False
+        self.woken = threading.Event()  # the scheme is shutting down: recv returns at once
 
     def open(self, deadline: Deadline) -> None:
         _mkdir(self.dir)
@@ -267,7 +274,10 @@ class _Receiver(ReceiverEndpoint):
         self.opened = True
 
     def recv(self, deadline: Deadline) -> Delivery | None:
-        return _poll(deadline, self._take)
+        return _poll(deadline, self._take, self.woken)
+
+    def wake(self) -> None:
+        self.woken.set()
 
     def _take(self) -> Delivery | None:
         data = _read(os.path.join(self.dir, f"to-{self.worker}"), MAX_HEADER_BYTES + 256)
@@ -320,6 +330,7 @@ class FilesTransport(Transport):
     """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
 
     name = "files"
+    interface = 1
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
 
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:

@@ -75,7 +75,7 @@ def main() -> None:
                     checks += 1
                     bad += sum(not bool((t == hold["at"]).all()) for t in model.values())
                     time.sleep(0.01)
-                say(event="held", checks=checks, bad=bad, pool=len(scheme._endpoint.pool))
+                say(event="held", checks=checks, bad=bad, pool=len(scheme._role.endpoint.pool))
                 hold = None
             v = scheme.receive(timeout=0.5)
             if v is not None:

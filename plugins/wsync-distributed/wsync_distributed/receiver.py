@@ -24,7 +24,7 @@ import torch.distributed as dist
 from wsync_core import Deadline, Delivery, ReceiverContext, ReceiverEndpoint, TransportError
 
 from . import wire
-from .transport import Config
+from .config import Config
 
 __all__ = ["DistributedReceiver"]
 
@@ -56,6 +56,7 @@ class DistributedReceiver(ReceiverEndpoint):
         self.error: str | None = None
         self.bye = False
         self.closing = False
+        self.woken = False  # the scheme is shutting down: recv returns at once
         self.stopped = threading.Event()
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
@@ -78,7 +79,7 @@ class DistributedReceiver(ReceiverEndpoint):
             while self.ready is None:
                 if self.error is not None:
                     raise TransportError(f"distributed worker {self.worker}: {self.error}")
-                if deadline.expired() or self.bye:
+                if deadline.expired() or self.bye or self.woken:
                     return None
                 self.cond.wait(deadline.slice(1.0))
             slot, header = self.ready
@@ -87,6 +88,11 @@ class DistributedReceiver(ReceiverEndpoint):
                 return Delivery(header, torch.empty(0, dtype=torch.uint8))
             self.held.add(slot)
             return Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True)
+
+    def wake(self) -> None:
+        with self.cond:
+            self.woken = True
+            self.cond.notify_all()
 
     def ack(self, data: bytes) -> None:
         if self.store is None:

@@ -16,11 +16,12 @@ broadcast to the end, so every receiver's collective completes, then ``abort(seq
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,16 @@ from wsync_core import (
     TransportError,
     WorkerTimeoutError,
 )
+from wsync_core.forked import close_inherited
+from wsync_core.protocol import decode_json
 from wsync_core.transport import Event
 
 from . import wire
+from .config import Config
 from .receiver import HEARTBEAT_S
-from .transport import Config
+
+#: senders open in this process (a forked child lets go of their sockets)
+_live: weakref.WeakSet[DistributedSender] = weakref.WeakSet()
 
 __all__ = ["DistributedSender"]
 
@@ -147,6 +153,7 @@ class DistributedSender(SenderEndpoint):
     # -- the core's calls ------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
         self.store, self.sock = wire.listen(self.cfg)
+        _live.add(self)
         self.store.set_timeout(wire._POP_TIMEOUT)
         for target, name in ((self._read_events, "events"), (self._broadcast_jobs, "broadcast")):
             thread = threading.Thread(target=target, args=(wire.clone(self.store),),
@@ -228,6 +235,7 @@ class DistributedSender(SenderEndpoint):
                 self.cond.wait(deadline.slice(_HEARTBEAT_CHECK_S))
 
     def close(self) -> None:
+        _live.discard(self)
         with self.cond:
             if self.closing:
                 return
@@ -364,8 +372,8 @@ class DistributedSender(SenderEndpoint):
 
     def _on_event(self, kind: bytes, w: int, data: bytes) -> None:
         if kind == wire.JOIN:
+            obj = decode_json(data, f"join from worker {w}", 4096)
             try:
-                obj = json.loads(data)
                 inbox, nbytes = obj["inbox"], obj["nbytes"]
                 if not (isinstance(inbox, str) and 0 < len(inbox) <= 64 and inbox.isalnum()
                         and isinstance(nbytes, int) and nbytes >= 0):
@@ -618,3 +626,14 @@ def _drop(group: dist.ProcessGroup | None) -> None:
     except RuntimeError as exc:
         log.debug("distributed: aborting a group: %s", wire.brief(exc))
 
+
+
+def _after_fork_in_child() -> None:
+    """A forked child lets go of its copies of every live sender's store sockets, so the parent's
+    port is free once it closes (the child never uses them)."""
+    ports = [sender.cfg.port for sender in list(_live)]
+    _live.clear()
+    close_inherited(ports=ports)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

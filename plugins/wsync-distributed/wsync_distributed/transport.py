@@ -11,32 +11,17 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
 
-__all__ = ["DistributedTransport", "Config"]
+from .config import Config
+from .receiver import DistributedReceiver
+from .sender import DistributedSender
+
+__all__ = ["DistributedTransport"]
 
 _BACKENDS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class Config:
-    """Resolved options, as every endpoint of one channel sees them."""
-
-    backend: str
-    host: str
-    port: int
-    world_size: int | None
-    rank: int | None
-    bucket_bytes: int
-    timeout: float
-    heartbeat_timeout: float
-    bind: str
-    prefix: str
-    devices: int
-    stream: bool = True
 
 
 def _env_int(name: str) -> int | None:
@@ -77,6 +62,7 @@ class DistributedTransport(Transport):
     """
 
     name = "distributed"
+    interface = 1
     capabilities = Capabilities(processes=True, multi_host=True, cuda=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=False)
 
@@ -129,9 +115,7 @@ class DistributedTransport(Transport):
             prefix=o["prefix"], devices=o["devices"], stream=o.get("stream", True),
         )
 
-    def sender(self, ctx: SenderContext):
-        from .sender import DistributedSender
-
+    def sender(self, ctx: SenderContext) -> DistributedSender:
         cfg = self.config()
         if cfg.rank not in (None, 0):
             raise ValueError(f"distributed: the sender is rank 0, but rank={cfg.rank} was given")
@@ -140,9 +124,7 @@ class DistributedTransport(Transport):
                              f"world_size must be num_workers + 1 (the sender is rank 0)")
         return DistributedSender(cfg, ctx)
 
-    def receiver(self, ctx: ReceiverContext):
-        from .receiver import DistributedReceiver
-
+    def receiver(self, ctx: ReceiverContext) -> DistributedReceiver:
         cfg = self.config()
         if cfg.rank is not None and cfg.rank != ctx.worker_idx + 1:
             raise ValueError(f"distributed: worker {ctx.worker_idx} is rank {ctx.worker_idx + 1}, "

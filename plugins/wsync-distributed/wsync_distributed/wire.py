@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from wsync_core import Deadline, TransportError
-from wsync_core.protocol import MAX_ACK_BYTES
+from wsync_core.protocol import MAX_ACK_BYTES, decode_json
 
-from .transport import Config
+from .config import Config
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
@@ -132,8 +132,8 @@ def decode_control(raw: bytes) -> tuple[Control, bytes]:
     (n,) = struct.unpack(">I", raw[:4])
     if n > 64 * 1024 or 4 + n > len(raw):
         raise TransportError(f"control message claims a {n}-byte body")
+    obj: Any = decode_json(raw[4:4 + n], "control message", 64 * 1024)
     try:
-        obj: Any = json.loads(raw[4:4 + n])
         ctl = Control(group=obj["g"], members=tuple(obj["m"]), nbytes=obj["n"], bucket=obj["b"],
                       live=tuple(obj["l"]), kind=obj["k"], seq=obj["s"], first=obj["f"])
     except (ValueError, KeyError, TypeError) as exc:

@@ -56,6 +56,7 @@ class MpReceiver(ReceiverEndpoint):
         self.ended: str | None = None   # why the connection ended
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         self.closing = False
+        self.woken = False              # the scheme is shutting down: recv returns at once
 
     # -- ReceiverEndpoint --------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -74,9 +75,9 @@ class MpReceiver(ReceiverEndpoint):
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         with self.cond:
-            while self.newest is None and self.ended is None and not deadline.expired():
+            while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
                 self.cond.wait(deadline.slice(1.0))
-            if self.newest is None:
+            if self.newest is None or self.woken:
                 if self.failed:
                     raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
                                          f"version it applied")
@@ -100,6 +101,11 @@ class MpReceiver(ReceiverEndpoint):
 
     def ack(self, data: bytes) -> None:
         self._send(encode(Kind.ACK, data))
+
+    def wake(self) -> None:
+        with self.cond:
+            self.woken = True
+            self.cond.notify_all()
 
     def close(self) -> None:
         with self.cond:

@@ -2,6 +2,8 @@
 the ``multi_host`` test (its sender runs in a fresh process: TensorPipe fixes a process's listen
 address at its first agent)."""
 
+import pytest
+
 from wsync_conformance import TransportSuite
 
 
@@ -11,3 +13,8 @@ class TestRpcConformance(TransportSuite):
 
     def multi_host_options(self, host_address: str) -> dict:
         return {"host": host_address, "rpc_timeout": 20.0}
+
+    @pytest.mark.xfail(strict=True, reason="known: rpc's sender keeps its store's port listening after shutdown() "
+                                           "(fork or not), so a new sender with the same options cannot bind it")
+    def test_clean_sender_forks_after_connect(self, wsync) -> None:
+        super().test_clean_sender_forks_after_connect(wsync)

@@ -37,6 +37,7 @@ from wsync_core import (
     SenderEndpoint,
     TransportError,
 )
+from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.transport import Event
 
@@ -211,6 +212,8 @@ class _Agent:
             raise
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
+        if master:
+            _hosting[:] = [self.port]
         listen: dict[str, int] = {}
         try:
             if master:  # the store listens on ``host`` only (TCPStore alone binds every interface); it owns the fd
@@ -238,7 +241,7 @@ class _Agent:
                 self.close()
                 raise TransportError(f"rpc: {name} got no world size from the sender's store at "
                                      f"{self.host}:{self.port} within {wait.total_seconds():g} s: {_brief(exc)}") from exc
-            if not raw.isdigit() or not rank < int(raw) <= 1 << 20:
+            if not (0 < len(raw) <= 8 and raw.isdigit()) or not rank < int(raw) <= 1 << 20:
                 self.close()
                 raise TransportError(f"rpc: the sender's store gives world size {raw[:20]!r}, which cannot hold rank {rank}")
             self.world = int(raw)
@@ -276,12 +279,27 @@ class _Agent:
             except RuntimeError as exc:
                 log.warning("rpc: shutting down the RPC agent: %s", _brief(exc))
         self.store = None
+        _hosting.clear()
         with _cond:
             _owner.clear()
             _mailbox.clear()
             _newest[0] = -1
             _events.clear()
             _cond.notify_all()
+
+
+#: the port of the store this process hosts as a sender (a forked child lets go of its sockets)
+_hosting: list[int] = []
+
+
+def _after_fork_in_child() -> None:
+    """A forked child lets go of its copies of the sender's store sockets, so the parent's port is
+    free once it closes (the child never uses them)."""
+    ports, _hosting[:] = list(_hosting), []
+    close_inherited(ports=ports)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _brief(exc: BaseException) -> str:
@@ -391,6 +409,7 @@ class RpcReceiver(ReceiverEndpoint):
         self.worker = ctx.worker_idx
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
+        self.woken = False  # the scheme is shutting down: recv returns at once
 
     def open(self, deadline: Deadline) -> None:
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
@@ -411,9 +430,9 @@ class RpcReceiver(ReceiverEndpoint):
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         with _cond:
-            while not _mailbox and not deadline.expired():
+            while not _mailbox and not self.woken and not deadline.expired():
                 _cond.wait(deadline.slice(1.0))
-            if not _mailbox:
+            if not _mailbox or self.woken:
                 return None
             header, payload = _mailbox.pop()
         return Delivery(header, payload)
@@ -422,6 +441,11 @@ class RpcReceiver(ReceiverEndpoint):
         if self.agent is None:
             raise TransportError(f"rpc: {worker_name(self.worker)}: ack() before open() or after close()")
         self._tell(_ACK, bytes(data))
+
+    def wake(self) -> None:
+        with _cond:
+            self.woken = True
+            _cond.notify_all()
 
     def close(self) -> None:
         agent, self.agent = self.agent, None

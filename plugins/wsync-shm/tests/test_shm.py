@@ -59,7 +59,7 @@ def handle_connect(sender: WeightSyncScheme, receivers: list[WeightSyncScheme]) 
 
 
 def model_of(r: WeightSyncScheme) -> dict[str, torch.Tensor]:
-    return r._source  # the receiver's model, as given to init_on_receiver
+    return r._role.source  # the receiver's model, as given to init_on_receiver
 
 
 def test_sync_rounds_use_two_slots(group) -> None:

@@ -148,6 +148,14 @@ class Slot:
         self.payload = torch.empty(0, dtype=torch.uint8)
         self._mm = None
 
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copy of the descriptor, keeping the parent's
+        lock (a lock belongs to the descriptor both share) and the mapping; idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._locks = 0
+
     def unlink(self) -> None:
         """Remove the file's name (mappings stay valid); a missing name is fine."""
         try:

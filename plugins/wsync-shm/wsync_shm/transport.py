@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -118,6 +119,7 @@ class _Sender(SenderEndpoint):
         self._listener = listener
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ)
+        _live.add(self)
         reaper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
         self._reaper = subprocess.Popen([sys.executable, "-I", "-S", reaper], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, start_new_session=True)
@@ -133,6 +135,7 @@ class _Sender(SenderEndpoint):
         return index
 
     def close(self) -> None:
+        _live.discard(self)
         for slot in self._slots:
             slot.unlink()
             slot.close()
@@ -151,12 +154,39 @@ class _Sender(SenderEndpoint):
             self._listener = None
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
-            reaper.stdin.close()
+            try:
+                reaper.stdin.write(b"\n")  # done: it ends without waiting for every copy of the pipe
+                reaper.stdin.close()
+            except OSError:  # it died: nothing left to tell it
+                pass
             try:
                 reaper.wait(10.0)
             except subprocess.TimeoutExpired:
                 reaper.kill()
                 reaper.wait()
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the sender's socket, pipe and slot
+        descriptors, so the parent's close is not kept waiting and its channel's name is free;
+        unlink nothing, tell no worker, leave the parent's locks and the mappings."""
+        for slot in self._slots:
+            slot.forget_in_child()
+        self._slots = []
+        for conn in list(self._conns.values()):
+            conn.sock.close()
+        self._conns.clear()
+        if self._selector is not None:
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()
+            self._selector.close()
+            self._selector = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._reaper is not None:
+            reaper, self._reaper = self._reaper, None
+            reaper.stdin.close()  # (empty: every write is flushed at once)
+            reaper.returncode = 0  # not this process's child: never wait for it here
 
     # -- the core's calls -------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
@@ -328,6 +358,8 @@ class _Receiver(ReceiverEndpoint):
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
+        self._woken = False
+        self._wake_fd = -1  # an eventfd the selector also watches: wake() ends a wait at once
 
     def open(self, deadline: Deadline) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -352,11 +384,23 @@ class _Receiver(ReceiverEndpoint):
         self._sock = sock
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._selector.register(self._wake_fd, selectors.EVENT_READ)
+
+    def wake(self) -> None:
+        self._woken = True
+        if self._wake_fd >= 0:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:  # closed meanwhile: nothing waits on it any more
+                pass
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self._sock is None:
             raise TransportError(f"worker {self._worker}: the shm receiver is closed")
         while True:
+            if self._woken:
+                return None
             self._read()
             if self._newest is not None:
                 delivery = self._take()
@@ -458,9 +502,23 @@ class _Receiver(ReceiverEndpoint):
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+_live: weakref.WeakSet[_Sender] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sender in list(_live):
+        sender._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShmTransport(Transport):
@@ -476,6 +534,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    interface = 1
     capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
                                 late_join=True, cuda=True)
 

@@ -11,6 +11,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wsync_conformance.strategies import hostile_json
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
 from wsync_core.layout import Layout
@@ -105,5 +106,21 @@ def test_live_receiver_raises_transport_error_or_delivers_in_bounds(live, frames
     assert delivery.payload.dtype == torch.uint8 and delivery.payload.numel() <= NBYTES
     try:
         Header.decode(delivery.header)  # the core's own decoder takes it from here
+    except TransportError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(hostile_json())
+def test_hello_and_peer_decoders_give_a_value_or_transport_error_for_hostile_json(data):
+    """5000-digit integers, deep nesting, NaN, non-UTF-8, wrong types: a value or TransportError."""
+    try:
+        hello = Hello.decode(data)
+    except TransportError:
+        pass
+    else:
+        assert hello.worker >= 0 and hello.nbytes >= 0
+    try:
+        decode_peer([HELLO, data], 0)
     except TransportError:
         pass

@@ -216,3 +216,51 @@ def test_receiver_keeps_its_version_when_the_sender_dies(context):
     finally:
         thread.join(30)
         receiver.shutdown()
+
+
+def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
+    """A peer that joins as worker 1 then acks with a 5000-digit integer and arrays nested 5000
+    deep: the sender names each malformed ack, its service thread lives on, and the honest
+    worker 0 still gets every send through."""
+    model = make_model(0)
+    scheme = WeightSyncScheme("zmq", timeout=30.0)
+    scheme.init_on_sender(model=model, num_workers=2)
+    address = scheme.transport.options["address"]
+    layout = Layout.of(flatten(model))
+    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    received = make_model(1)
+    receiver.init_on_receiver(model=received, worker_idx=0)
+    hostile = context.socket(zmq.DEALER)
+    hostile.linger = 0
+    hostile.connect(address)
+    hostile.send_multipart([HELLO, Hello(1, "policy", layout.digest, layout.nbytes).encode()])
+    hostile.send_multipart([ACK, Ack(1, 0).encode()])  # it holds version 0, as far as the sender knows
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        hostile.send_multipart([ACK, b'{"wsync":1,"w":1,"v":' + b"7" * 5000 + b"}"])
+        hostile.send_multipart([HELLO, b'{"wsync":1,"w":1,"m":' + b"[" * 1500 + b"]" * 1500 + b"}"])
+        time.sleep(0.3)  # one at a time: each reaches the sender's service thread on its own poll
+        hostile.send_multipart([ACK, b'{"wsync":1,"w":1,"v":0,"e":' + b"[" * 5000 + b"]" * 5000 + b"}"])
+        end = time.monotonic() + 20
+        while caplog.text.count("sent a malformed ack") < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert caplog.text.count("sent a malformed ack") == 2, caplog.text[-2000:]
+        assert "hello is" in caplog.text or "nests arrays" in caplog.text
+        assert scheme._role._service is not None and scheme._role._service.is_alive()
+        for v in (1, 2):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            got: list = []
+            follower = threading.Thread(target=lambda: got.append(receiver.receive(timeout=30)))
+            follower.start()
+            assert scheme.send(worker_ids=[0]) == v
+            follower.join(30)
+            assert got == [v]
+            assert digest(received) == digest(model)
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        scheme.shutdown()

@@ -8,6 +8,7 @@ core sees it. The payload tensor reads the received frame in place.
 from __future__ import annotations
 
 import math
+import os
 
 import zmq
 from wsync_core import TransportError
@@ -37,6 +38,8 @@ class ZmqReceiver(ReceiverEndpoint):
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._connected = False
+        self._woken = False
+        self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
 
     def open(self, deadline: Deadline) -> None:
         opts = self._options
@@ -57,14 +60,26 @@ class ZmqReceiver(ReceiverEndpoint):
             raise wrap(exc, f"worker {self._worker} connecting to {opts['address']}") from exc
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         while True:
+            if self._woken:
+                return None
             self._read_monitor()
             delivery = self._read()
             if delivery is not None or deadline.expired():
                 return delivery
             self._poller.poll(max(1, math.ceil(deadline.slice(1.0) * 1000)))
+
+    def wake(self) -> None:
+        self._woken = True
+        if self._wake_fd >= 0:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:  # closed meanwhile: nothing waits on it any more
+                pass
 
     def _read_monitor(self) -> None:
         for event in monitor_events(self._monitor):
@@ -129,6 +144,10 @@ class ZmqReceiver(ReceiverEndpoint):
     def close(self) -> None:
         sock, monitor, context = self._sock, self._monitor, self._context
         self._sock = self._monitor = self._context = None
+        if self._wake_fd >= 0:
+            self._poller.unregister(self._wake_fd)
+            os.close(self._wake_fd)
+            self._wake_fd = -1
         if context is None:
             return
         try:

@@ -8,6 +8,8 @@ slow or silent worker holds at most one buffer and costs the others nothing.
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ import zmq
 import zmq.auth.thread
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.forked import close_inherited
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
@@ -86,6 +89,7 @@ class ZmqSender(SenderEndpoint):
         self._inflight: dict[int, zmq.MessageTracker] = {}
         self._waiting: dict[int, tuple[torch.Tensor, bytes]] = {}
         self._events: list[Event] = []
+        self._local: int | str | None = None  # the TCP port or ipc path it listens on
 
     @property
     def endpoint(self) -> str:
@@ -114,6 +118,9 @@ class ZmqSender(SenderEndpoint):
                                  f"address? pass address='tcp://HOST:PORT' with a free port") from exc
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        bound = self.endpoint
+        self._local = int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else bound[len("ipc://"):]
+        _live.add(self)
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
@@ -267,6 +274,7 @@ class ZmqSender(SenderEndpoint):
         self._events.append(Left(w, reason))
 
     def close(self) -> None:
+        _live.discard(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
         if context is None:
@@ -280,3 +288,17 @@ class ZmqSender(SenderEndpoint):
         self._latest = None
         self._waiting.clear()
         self._inflight.clear()
+
+
+_live: weakref.WeakSet[ZmqSender] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child never uses its parent's zmq sockets: it lets go of its copies of their
+    listening and accepted sockets, so the parent's address is free as soon as the parent closes."""
+    local = [s._local for s in list(_live) if s._local is not None]
+    _live.clear()
+    close_inherited(ports=[p for p in local if isinstance(p, int)], paths=[p for p in local if isinstance(p, str)])
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

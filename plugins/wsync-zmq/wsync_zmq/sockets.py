@@ -56,3 +56,4 @@ def close_all(context: zmq.Context | None, *sockets: zmq.Socket | None) -> None:
         time.sleep(0.005)
     if not gc.refs:
         gc.stop()
+

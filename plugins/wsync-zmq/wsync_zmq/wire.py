@@ -16,7 +16,7 @@ from typing import Any, Union
 import torch
 from wsync_core import TransportError
 from wsync_core.layout import Layout
-from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
 
 __all__ = [
     "DATA", "HELLO", "ACK", "BYE",
@@ -61,12 +61,7 @@ class Hello:
     @classmethod
     def decode(cls, data: Buffer) -> Hello:
         """Parse hello bytes; raises TransportError naming what is malformed."""
-        if _size(data) > MAX_HELLO_BYTES:
-            raise TransportError(f"hello of {_size(data)} bytes exceeds the limit of {MAX_HELLO_BYTES} bytes")
-        try:
-            obj = json.loads(bytes(data))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise TransportError(f"hello is not valid JSON: {exc}") from None
+        obj = decode_json(data, "hello", MAX_HELLO_BYTES)
         if not isinstance(obj, dict) or obj.get("wsync") != PROTOCOL:
             raise TransportError(f"hello is not a wsync protocol {PROTOCOL} message")
         fields = {"w": int, "m": str, "d": str, "n": int}

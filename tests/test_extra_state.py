@@ -1,0 +1,75 @@
+"""Extra state (``get_extra_state``, e.g. TorchRL's VecNorm statistics or a seeded actor's
+counters) travels beside the weights as tensors, never pickled, and lands through
+``set_extra_state``."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from wsync_core import WeightSyncScheme
+from wsync_core.weights import flatten
+
+
+class Stats(nn.Module):
+    """A layer with running statistics (tensors) and a counter (a number) as extra state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.loc = torch.zeros(3)
+        self.count = 0
+        self.rate = 0.5
+
+    def get_extra_state(self):
+        return {"loc": self.loc, "count": self.count, "rate": self.rate}
+
+    def set_extra_state(self, state):
+        self.loc, self.count, self.rate = state["loc"], state["count"], state["rate"]
+
+
+class Opaque(nn.Module):
+    def get_extra_state(self):
+        return object()
+
+
+def test_flatten_carries_extra_state_as_tensors():
+    m = nn.Sequential(nn.Linear(2, 2), Stats())
+    flat = flatten(m)
+    assert {"1._extra_state.loc", "1._extra_state.count", "1._extra_state.rate"} <= flat.keys()
+    assert flat["1._extra_state.count"].dtype == torch.int64
+    assert flat["1._extra_state.rate"].dtype == torch.float64
+    with pytest.raises(TypeError, match="never pickled"):
+        flatten(nn.Sequential(Opaque()))
+
+
+@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
+def test_extra_state_reaches_the_receiver_exactly(strategy):
+    trainer = nn.Sequential(nn.Linear(2, 2), Stats())
+    sender = WeightSyncScheme("inproc", strategy=strategy, timeout=30)
+    sender.init_on_sender(model=trainer, num_workers=1)
+    receiver = pickle.loads(pickle.dumps(sender))
+    worker = nn.Sequential(nn.Linear(2, 2), Stats())
+    receiver.init_on_receiver(model=worker, worker_idx=0)
+    t = threading.Thread(target=receiver.connect)
+    t.start()
+    sender.connect()
+    t.join()
+    try:
+        stats = trainer[1]
+        stats.loc = torch.tensor([1.0, 2.0, 3.0])
+        stats.count, stats.rate = 7, 0.25
+        sender.send_async()
+        assert receiver.wait_for_version(1, timeout=30) == 1
+        assert torch.equal(worker[1].loc, stats.loc) and worker[1].loc is not stats.loc
+        assert worker[1].count == 7 and isinstance(worker[1].count, int)
+        assert worker[1].rate == 0.25 and isinstance(worker[1].rate, float)
+        stats.loc.add_(1)  # isolation: the trainer's later in-place write stays there
+        assert torch.equal(worker[1].loc, torch.tensor([1.0, 2.0, 3.0]))
+    finally:
+        receiver.shutdown()
+        sender.shutdown()

@@ -1,0 +1,209 @@
+"""The receiver-side hooks integrations need (TorchRL's collectors first): waiting for a version,
+being told one was applied, applying only at the worker's safe point, re-pointing at another
+model, and a sender's connect() that fails fast when a worker dies before it connects."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from torch import nn
+
+from core_helpers import bump, make_policy, same
+from wsync_core import WeightSyncScheme, WorkerDiedError, WorkerTimeoutError
+
+
+def _pair(transport: str = "inproc", **kw):
+    """A connected sender and one receiver (in a thread of this process) on ``transport``."""
+    model = make_policy(0)
+    sender = WeightSyncScheme(transport, timeout=30.0, **kw)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
+    local = make_policy(1)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    t = threading.Thread(target=receiver.connect)
+    t.start()
+    sender.connect()
+    t.join()
+    return sender, model, receiver, local
+
+
+def test_wait_for_version_applies_until_it_holds_the_version():
+    sender, model, receiver, local = _pair(sync=False)
+    try:
+        for _ in range(3):
+            bump(model)
+            sender.send()
+        assert receiver.wait_for_version(3, timeout=30) == 3
+        assert same(local, model)
+        assert receiver.wait_for_version(1, timeout=0) == 3  # already held: returns at once
+        with pytest.raises(WorkerTimeoutError) as info:
+            receiver.wait_for_version(4, timeout=0.2)
+        assert info.value.workers == [0]
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_apply_listener_runs_before_the_ack_in_version_order():
+    model = make_policy(0)
+    sender = WeightSyncScheme("inproc", timeout=30.0)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
+    local = make_policy(1)
+    seen: list[tuple[int, bool]] = []
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    receiver.add_apply_listener(lambda v: seen.append((v, same(local, model))))
+    stop = threading.Event()
+
+    def run():
+        receiver.connect()
+        while not stop.is_set():
+            receiver.receive(timeout=0.01)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        sender.connect()
+        for v in range(1, 6):
+            bump(model)
+            assert sender.send() == v
+            assert seen[-1] == (v, True)  # a sync send returns after the worker's listener ran
+        assert [v for v, _ in seen] == list(range(6))
+    finally:
+        stop.set()
+        t.join()
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_apply_guard_holds_every_change_to_the_model():
+    """While the worker holds its safe-point lock, nothing is written into its model; the
+    version lands as soon as the lock is free."""
+    sender, model, receiver, local = _pair(sync=False)
+    lock = threading.Lock()
+    receiver.set_apply_guard(lambda: lock)
+    try:
+        before = {k: v.clone() for k, v in local.state_dict().items()}
+        with lock:
+            bump(model)
+            sender.send()
+            t = threading.Thread(target=receiver.wait_for_version, args=(1, 30))
+            t.start()
+            time.sleep(0.3)  # the receiver has the delivery and waits for the safe point
+            assert all(torch.equal(local.state_dict()[k], v) for k, v in before.items())
+            assert receiver.version == 0
+        t.join()
+        assert receiver.version == 1 and same(local, model)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_rebind_moves_later_versions_to_the_new_model():
+    sender, model, receiver, local = _pair()
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: [receiver.receive(timeout=0.01) for _ in iter(stop.is_set, True)])
+    try:
+        moved = make_policy(7)  # e.g. TorchRL's copy of the policy on its device
+        receiver.rebind(moved)
+        assert same(moved, local)  # starts from the version held
+        t.start()
+        bump(model)
+        sender.send()
+        assert same(moved, model) and not same(local, model)
+        with pytest.raises(Exception, match="layout|shape|keys"):
+            receiver.rebind(nn.Linear(2, 2))
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def _dies_at_startup(scheme: WeightSyncScheme, i: int) -> None:
+    if i == 1:
+        raise RuntimeError("env construction failed: no such env 'Foo-v0'")
+    scheme.init_on_receiver(model=make_policy(i), worker_idx=i)
+    scheme.connect()
+    scheme.wait_for_version(10**6, timeout=60)  # until the sender goes away
+
+
+@pytest.mark.parametrize("transport", ["shm", "mp"])
+def test_connect_fails_fast_naming_a_worker_that_died_before_connecting(transport):
+    ctx = mp.get_context("spawn")
+    sender = WeightSyncScheme(transport, timeout=120.0)
+    sender.init_on_sender(model=make_policy(0), num_workers=2)
+    procs = [ctx.Process(target=_dies_at_startup, args=(sender, i)) for i in range(2)]
+    for p in procs:
+        p.start()
+
+    def watch(missing):
+        return {w: f"process exited with code {procs[w].exitcode}" for w in missing if not procs[w].is_alive()}
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            sender.connect(watch=watch)
+        assert time.monotonic() - t0 < 60  # far less than the 120 s timeout
+        assert info.value.workers == [1]
+        assert "worker 1" in str(info.value) and "exited with code 1" in str(info.value)
+        assert isinstance(info.value, WorkerTimeoutError)
+    finally:
+        sender.shutdown()
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+SILENT = """
+import multiprocessing as mp, sys
+from torch import nn
+from wsync_core import WeightSyncScheme
+
+def worker(scheme, i):
+    scheme.init_on_receiver(model=nn.Linear(8, 8), worker_idx=i)
+    scheme.connect()
+    scheme.wait_for_version(2, timeout=60)
+
+if __name__ == "__main__":
+    mp.set_start_method(sys.argv[2])
+    s = WeightSyncScheme(sys.argv[1], timeout=60)
+    s.init_on_sender(model=nn.Linear(8, 8), num_workers=2)
+    ps = [mp.Process(target=worker, args=(s, i)) for i in range(2)]
+    for p in ps:
+        p.start()
+    s.connect()
+    s.send()
+    s.send()
+    for p in ps:
+        p.join()
+    # neither side calls shutdown()
+"""
+
+
+def only_plugin(name: str) -> dict[str, str]:
+    """An environment where ``name`` is the only wsync plugin loaded: another plugin installed
+    beside it that fails to load says so on stderr, which is not this test's subject."""
+    others = {ep.name for ep in entry_points(group="wsync")} - {name}
+    return dict(os.environ, WSYNC_DISABLE_PLUGINS=",".join(sorted(others)))
+
+
+@pytest.mark.parametrize("transport,start", [("shm", "spawn"), ("mp", "fork")])
+def test_exit_without_shutdown_is_silent(tmp_path, transport, start):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SILENT))
+    out = subprocess.run([sys.executable, str(script), transport, start], capture_output=True, text=True, timeout=240,
+                         env=only_plugin(transport))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""

@@ -1,0 +1,62 @@
+"""What a process forked from a sender does with the sender's sockets: it lets go of its copies.
+
+A forked child inherits every descriptor of its parent. A copy of a listening socket keeps the
+parent's address taken after the parent closes it (a new sender cannot bind there) and a copy of
+a connection keeps it open (peers never see the end). Transports call ``close_inherited`` from an
+``os.register_at_fork(after_in_child=...)`` hook for the addresses their live senders listen on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+
+__all__ = ["close_inherited"]
+
+
+def _local(sock: socket.socket) -> int | str | None:
+    """The TCP port or Unix socket path ``sock`` is bound to locally (None: neither)."""
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return None
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        return name[1]
+    if sock.family == socket.AF_UNIX and isinstance(name, (str, bytes)) and name:
+        return name.decode(errors="replace") if isinstance(name, bytes) else name
+    return None
+
+
+def close_inherited(ports: Iterable[int] = (), paths: Iterable[str] = ()) -> None:
+    """In a forked child: let go of this process's copies of the sockets bound locally to TCP
+    ``ports`` or Unix ``paths`` (listening ones and the connections they accepted). Each such
+    descriptor is pointed at /dev/null rather than closed, so an object of the child that still
+    owns the number closes /dev/null later, never an unrelated file that took the number. The
+    parent's sockets stay open; nothing is said to any peer."""
+    wanted = set(ports) | set(paths)
+    if not wanted:
+        return
+    try:
+        entries = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc: nothing this can find
+        return
+    found = []
+    for entry in entries:
+        fd = int(entry)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed meanwhile (the listing's own descriptor), or not a socket
+            continue
+        if _local(sock) in wanted:
+            found.append(fd)
+        sock.detach()
+    if found:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for fd in found:
+                os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)

@@ -1,0 +1,256 @@
+"""A worker's side of a scheme: take the newest delivery, check it, apply it, ack it.
+
+``WeightSyncScheme`` builds one ``Receiver`` at ``init_on_receiver`` and calls it under its
+lock. Applying is a copy into the model or, for an adoptable delivery, re-pointing the model's
+tensors at the transport's memory, which is then leased (``wsync_core.lease``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .deadline import Deadline
+from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
+from .layout import Layout
+from .lease import LeaseBook
+from .protocol import Ack, Header, crc32
+from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
+from .weights import Weights, device_of, flatten, materialize, meta_keys, restore_extra_state
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("wsync")
+
+
+class Receiver:
+    """Worker ``worker_idx``'s receiver into ``model`` (updated in place); used under ``lock``."""
+
+    def __init__(self, transport: Transport, model: Weights, *, worker_idx: int, model_id: str, strategy: str,
+                 lock: threading.RLock) -> None:
+        """Check ``model`` and build (not open) the endpoint. Raises ValueError for a bad
+        ``worker_idx``, TypeError for a model of another type."""
+        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        tensors = flatten(model, strategy)
+        self.layout = Layout.of(tensors)
+        device = device_of(tensors)
+        if device.type == "meta":  # materialized on the CPU from the first payload
+            device = torch.device("cpu")
+        self.endpoint: ReceiverEndpoint = transport.receiver(ReceiverContext(worker_idx, self.layout, model_id,
+                                                                             device))
+        self.source = model
+        self.strategy = strategy
+        self.worker_idx = worker_idx
+        self.model_id = model_id
+        self.lock = lock
+        self.version = -1
+        self.opened = False
+        self.closing = False
+        self.apply_listeners: list[Callable[[int], None]] = []
+        self.guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self._leases = LeaseBook()
+        self._adopted = _Adopted()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        """Open the endpoint (once: a connect() that timed out keeps it); closes it if that fails."""
+        if self.opened:
+            return
+        try:
+            self.endpoint.open(deadline)
+        except BaseException:
+            self.endpoint.close()
+            raise
+        self.opened = True
+
+    def connect(self, deadline: Deadline) -> None:
+        """Wait for the sender's current version and apply it. Raises WorkerTimeoutError if none
+        comes by the deadline, StateError if shutdown() began meanwhile."""
+        while self.receive(deadline) is None:
+            self.check_closing("connect()")
+            if deadline.expired():
+                raise WorkerTimeoutError(
+                    f"worker {self.worker_idx} got no weights from the sender within {deadline.timeout:g} s; "
+                    f"is the sender connecting with the same transport options?", [])
+
+    def close(self) -> None:
+        """Give the model its own copy of what it views, give back what fell due, close the endpoint."""
+        with self.lock:
+            self._adopted.materialize()
+            self._leases.close()
+            self.endpoint.close()
+            self.source = None
+
+    def check_closing(self, what: str) -> None:
+        """Raise StateError if ``shutdown()`` began in another thread while ``what`` waited."""
+        if self.closing:
+            raise StateError(f"{what} was interrupted: shutdown() was called from another thread; "
+                             f"build a new WeightSyncScheme")
+
+    # -- receiving ------------------------------------------------------------------------------
+    def receive(self, deadline: Deadline) -> int | None:
+        """Apply the newest delivery that arrived by ``deadline``; the version applied, or None."""
+        endpoint = self.endpoint
+        self._leases.drain()  # memory the worker stopped viewing since the last call
+        best: tuple[Delivery, Header] | None = None
+        stale = False
+        delivery = endpoint.recv(deadline)
+        try:
+            while delivery is not None:
+                try:
+                    header = Header.decode(delivery.header)
+                except TransportError as exc:
+                    _release(delivery)
+                    self._reject(self.version, exc)
+                    raise
+                if header.version > (best[1].version if best else self.version):
+                    if best is not None:
+                        _release(best[0])
+                    best = (delivery, header)
+                else:
+                    stale = True
+                    _release(delivery)
+                delivery = endpoint.recv(Deadline(0.0))
+        except BaseException:
+            if best is not None:
+                _release(best[0])
+            raise
+        if best is None:
+            if stale and self.version >= 0:
+                # a re-delivery of what this worker holds (e.g. after a reconnect): the sender may
+                # still wait for that ack
+                endpoint.ack(Ack(self.worker_idx, self.version).encode())
+            return None
+        delivery, header = best
+        with self.guard():  # the worker's safe point: its model is not in use in here
+            try:
+                self._apply(delivery, header)
+            except (SchemaMismatchError, TransportError) as exc:
+                _release(delivery)
+                self._reject(header.version, exc)
+                raise
+            finally:
+                _release(delivery)  # a no-op for memory the model now views: its lease gives it back
+        self.version = header.version
+        del delivery, best
+        self._leases.drain()  # before the ack: the sender may reuse what the model stopped viewing
+        try:
+            for listener in self.apply_listeners:  # before the ack: a sync send() returns after them
+                listener(header.version)
+        finally:
+            endpoint.ack(Ack(self.worker_idx, header.version).encode())
+        return header.version
+
+    def wait_for_version(self, version: int, deadline: Deadline, expect: Callable[[], None]) -> int:
+        """Apply versions as they arrive until this worker holds ``version`` or newer; ``expect()``
+        checks the scheme is still connected each time the lock is taken again."""
+        while True:
+            with self.lock:
+                expect()
+                if self.version >= version:
+                    return self.version
+                self.receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
+                if self.version >= version:
+                    return self.version
+            if deadline.expired():
+                raise WorkerTimeoutError(
+                    f"worker {self.worker_idx} holds version {self.version}, not {version}, after "
+                    f"{deadline.timeout:g} s", [self.worker_idx])
+
+    def rebind(self, model: Weights, connected: bool) -> None:
+        """Apply future versions to ``model`` (same layout); a connected worker copies the version
+        it holds into it first. Raises SchemaMismatchError if its layout differs."""
+        targets = flatten(model, self.strategy, detach=False)
+        self.layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model given to rebind()",
+                               context=f"worker {self.worker_idx}")
+        if model is self.source:
+            return
+        with self.guard():
+            if connected:
+                held = flatten(self.source, self.strategy)
+                with torch.no_grad():
+                    for key, t in targets.items():
+                        if t.data_ptr() != held[key].data_ptr():
+                            t.copy_(held[key])
+            self.source = model
+
+    def _reject(self, version: int, exc: WsyncError) -> None:
+        log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
+        self.endpoint.ack(Ack(self.worker_idx, version, str(exc), type(exc).__name__).encode())
+
+    def _apply(self, delivery: Delivery, header: Header) -> None:
+        """Check everything about a delivery, then copy it into the model, or make the model's
+        tensors views of it where the delivery is adoptable (the model's memory then is leased:
+        ``delivery.release`` runs once nothing views it). Nothing is written on error."""
+        layout = self.layout
+        where = f"worker {self.worker_idx}, version {header.version}"
+        if header.model_id != self.model_id:
+            raise SchemaMismatchError(f"{where}: payload is for model {header.model_id!r}, this receiver "
+                                      f"holds {self.model_id!r}")
+        if header.digest != layout.digest:
+            if header.layout is not None:
+                try:
+                    theirs = Layout.from_wire(header.layout)
+                except ValueError as exc:
+                    raise TransportError(f"{where}: malformed layout in header: {exc}") from None
+                theirs.check_matches(layout, context=where)
+            raise SchemaMismatchError(f"{where}: sender layout {header.digest[:12]} differs from this "
+                                      f"model's {layout.digest[:12]}")
+        payload = delivery.payload
+        if (header.nbytes != layout.nbytes or not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
+                or payload.dim() != 1 or payload.numel() != layout.nbytes):
+            size = payload.numel() if isinstance(payload, torch.Tensor) else "no tensor"
+            raise TransportError(f"{where}: payload has {size} bytes (header says {header.nbytes}), "
+                                 f"expected {layout.nbytes}")
+        if header.crc is not None and crc32(payload) != header.crc:
+            raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
+        targets = flatten(self.source, self.strategy, detach=False)
+        layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
+        if meta_keys(targets):  # a model built on the meta device gets real memory from its first payload
+            materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
+            targets = flatten(self.source, self.strategy, detach=False)
+        layout.check_writable(targets, context=where)
+        if delivery.adoptable and payload.device.type == "cpu":
+            release, delivery.release = delivery.release, None
+            payload = self._leases.wrap(payload, release)
+            self._adopted.add(layout.adopt(payload, targets))
+        else:
+            layout.unpack(payload, targets)
+        restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
+        if payload.is_cuda or any(t.is_cuda for t in targets.values()):
+            torch.cuda.synchronize()
+
+
+class _Adopted:
+    """The model's tensors that view leased memory, with the address each was given."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.tensors[id(t)] = (t, t.data_ptr())
+
+    def materialize(self) -> None:
+        """Give each tensor that still views what it was given its own memory (a copy). One the
+        user moved since (``share_memory_()``, a new ``.data``) is left as it is."""
+        with torch.no_grad():
+            for t, ptr in self.tensors.values():
+                if t.data_ptr() == ptr:
+                    t.data = t.data.clone()
+        self.tensors = {}
+
+
+def _release(delivery: Delivery) -> None:
+    """Give a delivery back to its transport, once: later calls do nothing."""
+    release, delivery.release = delivery.release, None
+    if release is not None:
+        release()

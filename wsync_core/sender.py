@@ -1,0 +1,349 @@
+"""The trainer's side of a scheme: snapshots, versions, deliveries and acks for one model.
+
+``WeightSyncScheme`` builds one ``Sender`` at ``init_on_sender`` and calls it under its lock;
+a service thread keeps answering the transport between calls (late joiners get the latest
+version, acks of asynchronous sends are collected).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .deadline import Deadline
+from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
+from .layout import Layout, clip_keys
+from .protocol import Ack, Header, crc32
+from .report import SendReport
+from .transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
+from .weights import Weights, device_of, flatten, meta_keys
+
+__all__ = ["Sender", "SendHandle"]
+
+log = logging.getLogger("wsync")
+
+#: how many unfinished sends a sender remembers (an ack for v also completes every send before v)
+_MAX_PENDING = 256
+#: how often a connected sender answers its transport between calls (seconds)
+_SERVICE_INTERVAL = 0.01
+_ERROR_TYPES: dict[str, type[WsyncError]] = {
+    "SchemaMismatchError": SchemaMismatchError,
+    "TransportError": TransportError,
+}
+
+
+class SendHandle:
+    """An unfinished send; ``wait`` blocks until every target has applied ``version``."""
+
+    def __init__(self, sender: Sender, wait: Callable[[SendHandle, float | None], None], version: int,
+                 targets: list[int]) -> None:
+        self._sender = sender
+        self._wait = wait
+        self.version = version
+        self.targets = targets
+
+    def done(self) -> bool:
+        """True once every target acked this version (collects waiting acks, never blocks)."""
+        with self._sender.lock:
+            return self._sender.outstanding(self.version, self.targets, Deadline(0.0)) == ([], {})
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Return the version once all targets applied it.
+
+        Raises WorkerTimeoutError naming the targets that did not ack by the timeout (the
+        scheme's by default), or the error a worker reported for this version.
+        """
+        self._wait(self, timeout)
+        return self.version
+
+    def __repr__(self) -> str:
+        return f"SendHandle(version={self.version}, targets={self.targets})"
+
+
+class Sender:
+    """One model sent to ``num_workers`` workers through ``transport``; used under ``lock``."""
+
+    def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: str,
+                 lock: threading.RLock) -> None:
+        """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on
+        the meta device or a bad ``num_workers``, TypeError for weights of another type."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        tensors = flatten(source, strategy)
+        meta = meta_keys(tensors)
+        if meta:
+            raise ValueError(f"init_on_sender(): the weights to send are on the meta device and hold no data "
+                             f"({clip_keys(meta)}); materialize them (e.g. module.to_empty(device=...) and load "
+                             f"real values) before sending")
+        self.layout = Layout.of(tensors)
+        self.endpoint: SenderEndpoint = transport.sender(SenderContext(num_workers, self.layout, model_id,
+                                                                       device_of(tensors)))
+        self.transport = transport
+        self.source = source
+        self.strategy = strategy
+        self.model_id = model_id
+        self.num_workers = num_workers
+        self.lock = lock
+        self.version = -1
+        self.connected = False
+        self.closing = False
+        self.last_report: SendReport | None = None
+        self.listeners: list[Callable[[SendReport], None]] = []
+        self._latest: tuple[torch.Tensor, Header] | None = None
+        self._acked = {w: -1 for w in range(num_workers)}
+        self._joined: set[int] = set()
+        self._left: set[int] = set()
+        self._rejected: dict[int, Ack] = {}
+        self._layout_sent: set[int] = set()
+        self._pending: OrderedDict[int, tuple[SendReport, float]] = OrderedDict()
+        self._service: threading.Thread | None = None
+        self.stop_service = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        """Open the endpoint; closes it again if that fails."""
+        try:
+            self.endpoint.open(deadline)
+        except BaseException:
+            self.endpoint.close()
+            raise
+        self.connected = True
+
+    def start(self, deadline: Deadline, watch: Callable[[list[int]], Mapping[int, str]] | None) -> None:
+        """Publish version 0, start the service thread, and wait until every worker applied it."""
+        self._publish_new(flatten(self.source, self.strategy), list(range(self.num_workers)), deadline, version=0)
+        self._pump(Deadline(0.0))
+        self._service = threading.Thread(target=_serve, args=(weakref.ref(self), self.stop_service),
+                                         name="wsync-sender-service", daemon=True)
+        self._service.start()
+        if watch is not None:
+            self._watch_connect(watch, deadline)
+        self.finish(0, list(range(self.num_workers)), deadline)
+
+    def stop(self) -> None:
+        """Stop the service thread (from any thread but the service itself, without the lock)."""
+        self.stop_service.set()
+        if self._service is not None and self._service is not threading.current_thread():
+            self._service.join()
+
+    def close(self) -> None:
+        """Stop the service thread and close the endpoint; idempotent."""
+        self.stop_service.set()
+        with self.lock:
+            self.endpoint.close()
+            self._latest = None
+            self.connected = False
+
+    # -- sending --------------------------------------------------------------------------------
+    def send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
+                   wait: Callable[[SendHandle, float | None], None]) -> SendHandle:
+        """Snapshot ``weights`` (default: the source) and publish it as the next version."""
+        targets = self._targets(worker_ids)
+        tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
+        self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
+                               context="send(weights=...)")
+        self._pump(Deadline(0.0))
+        version = self._publish_new(tensors, targets, deadline, version=self.version + 1)
+        return SendHandle(self, wait, version, targets)
+
+    def _targets(self, worker_ids: Iterable[int] | None) -> list[int]:
+        if worker_ids is None:
+            return list(range(self.num_workers))
+        if isinstance(worker_ids, int):
+            worker_ids = [worker_ids]
+        targets = sorted(set(worker_ids))
+        bad = [w for w in targets if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_workers]
+        if bad or not targets:
+            raise ValueError(f"worker_ids must be a non-empty list of ints in [0, {self.num_workers}), got {worker_ids!r}")
+        return targets
+
+    def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
+                     version: int) -> int:
+        endpoint = self.endpoint
+        t0 = time.perf_counter()
+        buffer = endpoint.acquire(deadline)
+        step = endpoint.stream_bytes
+        if step > 0 and not self.transport.checksum:  # a checksum needs the whole payload first
+            joined = [w for w in targets if w in self._joined]
+            self.layout.pack_stream(tensors, buffer, step, lambda n: endpoint.ready(buffer, n, joined))
+        else:
+            self.layout.pack(tensors, buffer)
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+        crc = crc32(buffer) if self.transport.checksum else None
+        header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, crc)
+        t1 = time.perf_counter()
+        self.version = version
+        self._latest = (buffer, header)
+        report = SendReport(version, self.layout.nbytes, targets, snapshot_s=t1 - t0)
+        self._pending[version] = (report, t0)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        self.last_report = report
+        for w in targets:
+            self._rejected.pop(w, None)
+        self._deliver([w for w in targets if w in self._joined])
+        report.publish_s = time.perf_counter() - t1
+        log.debug("version %d: %d bytes to %s, snapshot %.3f ms", version, report.nbytes, targets,
+                  report.snapshot_s * 1e3)
+        return version
+
+    def _deliver(self, workers: list[int]) -> None:
+        """Publish the latest snapshot to ``workers``; a worker's first delivery carries the layout."""
+        if not workers or self._latest is None:
+            return
+        buffer, header = self._latest
+        fresh = [w for w in workers if w not in self._layout_sent]
+        known = [w for w in workers if w in self._layout_sent]
+        if known:
+            self.endpoint.publish(buffer, header.encode(), known)
+        if fresh:
+            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.crc,
+                          layout=json.loads(self.layout.to_json()))
+            self.endpoint.publish(buffer, full.encode(), fresh)
+            self._layout_sent.update(fresh)
+
+    # -- events and acks ------------------------------------------------------------------------
+    def _pump(self, deadline: Deadline) -> None:
+        """Handle the transport's events, waiting for some until ``deadline``."""
+        for event in self.endpoint.poll(deadline):
+            self._handle(event)
+
+    def serve_once(self) -> None:
+        """Answer the transport without waiting (the service thread, between calls)."""
+        if self.connected:
+            self._pump(Deadline(0.0))
+
+    def _handle(self, event: Event) -> None:
+        w = event.worker
+        if not (isinstance(w, int) and 0 <= w < self.num_workers):
+            log.warning("ignoring %s from unknown worker %r (num_workers=%d)", type(event).__name__, w,
+                        self.num_workers)
+            return
+        if isinstance(event, Joined):
+            log.info("worker %d joined", w)
+            self._joined.add(w)
+            self._left.discard(w)
+            self._acked[w] = -1
+            self._layout_sent.discard(w)
+            self._deliver([w])
+        elif isinstance(event, Left):
+            log.info("worker %d left: %s", w, event.reason)
+            self._joined.discard(w)
+            self._left.add(w)
+        elif isinstance(event, Acked):
+            try:
+                ack = Ack.decode(event.data)
+                if ack.worker != w or ack.version > self.version:
+                    raise TransportError(f"ack names worker {ack.worker}, version {ack.version}")
+            except TransportError as exc:
+                log.warning("worker %d sent a malformed ack: %s", w, exc)
+                self._rejected[w] = Ack(w, self.version, f"malformed ack: {exc}", "TransportError")
+                return
+            if ack.error is not None:
+                log.warning("worker %d rejected version %d: %s", w, ack.version, ack.error)
+                self._rejected[w] = ack
+                return
+            if ack.version > self._acked[w]:
+                previous, self._acked[w] = self._acked[w], ack.version
+                now = time.perf_counter()
+                for version in reversed(self._pending):  # newest first: older ones were done by `previous`
+                    if version <= previous:
+                        break
+                    report, t0 = self._pending[version]
+                    if version <= ack.version and w in report.targets and w not in report.ack_latency:
+                        report.ack_latency[w] = now - t0
+                        if report.complete:
+                            report.total_s = now - t0
+                            report.missing = []
+                            self._notify(report)
+
+    def _notify(self, report: SendReport) -> None:
+        for listener in self.listeners:
+            listener(report)
+
+    def outstanding(self, version: int, targets: list[int], deadline: Deadline) -> tuple[list[int], dict[int, Ack]]:
+        """Collect events until every target acked ``version`` or failed, or the deadline passes.
+
+        Returns (targets still missing, rejections by worker).
+        """
+        while True:
+            # a rejection of v fails the sends up to v that the worker has not applied: it only
+            # ever gets the newest version, so it will not apply those any more
+            rejected = {w: a for w in targets
+                        if self._acked[w] < version and (a := self._rejected.get(w)) and a.version >= version}
+            missing = [w for w in targets if self._acked[w] < version and w not in rejected]
+            alive = [w for w in missing if w not in self._left]
+            if not alive or deadline.expired():
+                return missing, rejected
+            if self.closing:
+                raise StateError(f"waiting for version {version} was interrupted: shutdown() was called from "
+                                 f"another thread; build a new WeightSyncScheme")
+            self._pump(deadline)
+
+    def finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
+        """Wait until every target applied ``version``. Raises the error a worker reported for it,
+        or WorkerTimeoutError naming the targets that did not apply it by the deadline."""
+        missing, rejected = self.outstanding(version, targets, deadline)
+        entry = self._pending.get(version)
+        if entry is not None:
+            report = entry[0]
+            report.missing = missing + sorted(rejected)
+            if report.missing:
+                self._notify(report)
+        if rejected:
+            w, ack = min(rejected.items())
+            cls = _ERROR_TYPES.get(ack.error_type or "", TransportError)
+            others = f" (also failed: {sorted(set(rejected) - {w})})" if len(rejected) > 1 else ""
+            which = f"version {version}" if ack.version == version else f"version {ack.version} (before applying {version})"
+            raise cls(f"worker {w} rejected {which}: {ack.error}{others}")
+        if missing:
+            gone = [w for w in missing if w in self._left]
+            detail = f"; workers {gone} disconnected" if gone else ""
+            updated = [w for w in targets if w not in missing and w not in rejected]
+            raise WorkerTimeoutError(
+                f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
+                f"updated: {updated}", missing)
+
+    def _watch_connect(self, watch: Callable[[list[int]], Mapping[int, str]], deadline: Deadline) -> None:
+        """Wait for version 0's acks in short slices, asking ``watch`` about the missing workers
+        between them; raise WorkerDiedError as soon as it names dead ones."""
+        targets = list(range(self.num_workers))
+        while True:
+            missing, rejected = self.outstanding(0, targets, Deadline(deadline.slice(0.1)))
+            missing = [w for w in missing if w not in rejected]
+            if not missing or deadline.expired():
+                return
+            dead = {w: why for w, why in watch(missing).items() if w in missing}
+            if dead:
+                detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
+                raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "
+                                      f"(updated: {[w for w in targets if w not in missing]}):\n{detail}", dead)
+
+
+def _serve(ref: weakref.ref[Sender], stop: threading.Event) -> None:
+    """Between calls, keep answering the transport: late joiners get the latest version and
+    acks of asynchronous sends are collected, without waiting for the next send()."""
+    last_error = ""
+    while not stop.wait(_SERVICE_INTERVAL):
+        sender = ref()
+        if sender is None:
+            return
+        if sender.lock.acquire(blocking=False):
+            try:
+                sender.serve_once()
+                last_error = ""
+            except WsyncError as exc:  # the next call on the scheme raises it; say it once here
+                if str(exc) != last_error:
+                    log.warning("sender service: %s", exc)
+                last_error = str(exc)
+            finally:
+                sender.lock.release()
+        del sender
