@@ -40,6 +40,8 @@ def _run(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, 
 
 #: broken transports run side by side (each mostly waits for timeouts)
 PARALLEL = 4
+#: every broken transport's run happens in the first test's setup: more than the project's 300 s
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
