@@ -1,5 +1,6 @@
-"""Broken transports, each derived from ``inproc`` and each violating one guarantee in a way
-the core cannot mask. The suite must fail each of them under that guarantee.
+"""Broken transports, each derived from ``inproc`` and each planting one bug: a guarantee broken
+in a way the core cannot mask, or a rule of the transport interface broken. The suite must fail
+each of them under the guarantee named in ``BROKEN``, with the tests ``SELECT`` picks.
 
 Run one: ``PYTHONPATH=conformance/tests wsync conformance wsync_broken:FlippedByte``.
 """
@@ -9,14 +10,18 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
-from wsync_core import Delivery, ReceiverContext, SenderContext
+from wsync_core import Delivery, ReceiverContext, SenderContext, TransportError
 from wsync_core.inproc import InprocTransport, _Receiver, _Sender
+from wsync_core.transport import Joined
 
-__all__ = ["BROKEN", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
-           "UnpickledPayload"]
+__all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
+           "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
+           "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
+           "SharedAdoptable", "EagerReceiver", "BlockedInC"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -105,6 +110,179 @@ class _Unpickle(_Receiver):
         return Delivery(delivery.header, pickle.loads(pickle.dumps(delivery.payload)))
 
 
+# -- the seven bugs of issue 14, and one per rule of the transport interface -----------------------
+
+
+class _AcquireLast(_Sender):
+    """acquire() hands back the buffer of the last publish (the core then overwrites a payload in flight)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.last: torch.Tensor | None = None
+
+    def acquire(self, deadline) -> torch.Tensor:
+        return self.last if self.last is not None else super().acquire(deadline)
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self.last = buffer
+        super().publish(buffer, header, workers)
+
+
+class _OlderWins(_Sender):
+    """A newer publish is dropped while an older one is still queued for that worker."""
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        with self.channel.cond:
+            for w in workers:
+                self.channel.mailbox.setdefault(w, (header, buffer))
+            self.channel.cond.notify_all()
+
+
+class _NeverLeft(_Receiver):
+    """close() says nothing: the sender never sees Left."""
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return
+        with channel.cond:
+            channel.receivers.discard(self.worker)
+            channel.mailbox.pop(self.worker, None)
+        channel.detach_if_unused()
+
+
+_seen_workers: dict[str, set[int]] = {}
+
+
+class _IgnoreRestart(_Receiver):
+    """A worker that connects again under an index it had before is ignored: no Joined, no deliveries."""
+
+    def open(self, deadline) -> None:
+        seen = _seen_workers.setdefault(self.name, set())
+        if self.worker not in seen:
+            seen.add(self.worker)
+            super().open(deadline)
+            self.ignored = False
+            return
+        super().open(deadline)
+        self.ignored = True
+        with self.channel.cond:  # the sender's connection table still holds the old one
+            self.channel.events = type(self.channel.events)(
+                e for e in self.channel.events if not (isinstance(e, Joined) and e.worker == self.worker))
+
+    def recv(self, deadline):
+        if getattr(self, "ignored", False):  # nothing reaches an ignored connection
+            with self.channel.cond:
+                self.channel.mailbox.pop(self.worker, None)
+            time.sleep(min(deadline.remaining(), 0.5))
+            return None
+        return super().recv(deadline)
+
+
+class _UncheckedSize(_Receiver):
+    """Copies whatever arrives into a buffer of its own model's size, never checking the size."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        self.nbytes = ctx.layout.nbytes
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        out = torch.zeros(self.nbytes, dtype=torch.uint8)
+        n = min(self.nbytes, delivery.payload.numel())
+        out[:n] = delivery.payload[:n]
+        return Delivery(delivery.header, out)
+
+
+class _ReusedBuffer(_Receiver):
+    """One receive buffer for every version, handed out as adoptable: the model views it, and the
+    next delivery (even one the core rejects) overwrites what the model holds."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        self.buffer: torch.Tensor | None = None
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        if self.buffer is None or self.buffer.numel() != delivery.payload.numel():
+            self.buffer = torch.empty(delivery.payload.numel(), dtype=torch.uint8)
+        self.buffer.copy_(delivery.payload)
+        return Delivery(delivery.header, self.buffer, adoptable=True)
+
+
+class _BlockingPublish(_Sender):
+    """From the fourth publish on, publish() blocks forever (a full socket buffer, say)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.count = 0
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self.count += 1
+        if self.count > 3:
+            threading.Event().wait()
+        super().publish(buffer, header, workers)
+
+
+class _DeadlineIgnored(_Receiver):
+    """recv() ignores its deadline: it waits until something arrives."""
+
+    def recv(self, deadline):
+        channel = self.channel
+        with channel.cond:
+            channel.cond.wait_for(lambda: self.worker in channel.mailbox)
+            item = channel.mailbox.pop(self.worker, None)
+        return None if item is None else Delivery(item[0], item[1])
+
+
+class _CloseTwiceSender(_Sender):
+    """close() raises when called a second time (or before open)."""
+
+    def close(self) -> None:
+        if self.channel is None:
+            raise TransportError("already closed")
+        super().close()
+
+
+class _EndpointInOptions(_Sender):
+    """Keeps its live endpoint in the transport's options: a pickled scheme drags a lock along."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        transport.options["live_endpoint"] = self
+
+    def open(self, deadline) -> None:
+        super().open(deadline)
+
+
+class _SharedAdoptableSender(_Sender):
+    """Two buffers, used in turn (acquire never returns the last published one)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.turn = 0
+
+    def acquire(self, deadline) -> torch.Tensor:
+        self.turn ^= 1
+        return self.buffers[self.turn]
+
+
+class _SharedAdoptableReceiver(_Receiver):
+    """Hands out the sender's buffer as adoptable (it is not this receiver's own): a model's tensors
+    view a slot the sender writes again two versions later."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        return Delivery(delivery.header, delivery.payload, adoptable=True)
+
+
 FlippedByte = _transport("FlippedByte", receiver=_Flip)
 DroppedAck = _transport("DroppedAck", receiver=_DropAck)
 HalfPayload = _transport("HalfPayload", receiver=_Half)
@@ -112,6 +290,17 @@ OldVersion = _transport("OldVersion", receiver=_Old)
 WrongWorker = _transport("WrongWorker", sender=_Misroute)
 LeakedThread = _transport("LeakedThread", sender=_Leaky)
 UnpickledPayload = _transport("UnpickledPayload", receiver=_Unpickle)
+AcquireLastPublished = _transport("AcquireLastPublished", sender=_AcquireLast)
+OlderWins = _transport("OlderWins", sender=_OlderWins)
+NeverLeft = _transport("NeverLeft", receiver=_NeverLeft)
+IgnoresRestart = _transport("IgnoresRestart", receiver=_IgnoreRestart)
+UncheckedSize = _transport("UncheckedSize", receiver=_UncheckedSize)
+ReusedReceiveBuffer = _transport("ReusedReceiveBuffer", receiver=_ReusedBuffer)
+BlockingPublish = _transport("BlockingPublish", sender=_BlockingPublish)
+DeadlineIgnored = _transport("DeadlineIgnored", receiver=_DeadlineIgnored)
+CloseNotIdempotent = _transport("CloseNotIdempotent", sender=_CloseTwiceSender)
+EndpointInOptions = _transport("EndpointInOptions", sender=_EndpointInOptions)
+SharedAdoptable = _transport("SharedAdoptable", sender=_SharedAdoptableSender, receiver=_SharedAdoptableReceiver)
 
 #: broken transport -> the guarantee it breaks
 BROKEN: dict[str, str] = {
@@ -122,4 +311,80 @@ BROKEN: dict[str, str] = {
     "WrongWorker": "targeted",
     "LeakedThread": "clean",
     "UnpickledPayload": "safe",
+    "AcquireLastPublished": "isolated",
+    "OlderWins": "versioned",
+    "NeverLeft": "live",
+    "IgnoresRestart": "live",
+    "UncheckedSize": "safe",
+    "ReusedReceiveBuffer": "atomic",
+    "BlockingPublish": "live",
+    "DeadlineIgnored": "live",
+    "CloseNotIdempotent": "clean",
+    "EndpointInOptions": "portable",
+    "SharedAdoptable": "isolated",
 }
+
+#: broken transport -> the tests (a pytest -k expression) that must catch it
+SELECT: dict[str, str] = {
+    "FlippedByte": "test_exact_send_weights_views or test_exact_every_dtype_and_shape",
+    "DroppedAck": "test_versioned_counts_and_content",
+    "HalfPayload": "test_atomic_no_mix_of_versions",
+    "OldVersion": "test_versioned_counts_and_content",
+    "WrongWorker": "test_targeted_subset_send",
+    "LeakedThread": "test_clean_after_shutdown",
+    "UnpickledPayload": "test_safe_nothing_unpickled",
+    "AcquireLastPublished": "test_endpoint_acquire_never_returns_a_buffer_in_use",
+    "OlderWins": "test_endpoint_newest_wins",
+    "NeverLeft": "test_endpoint_joined_acked_left",
+    "IgnoresRestart": "test_endpoint_reconnect_same_index or test_live_restarted_worker_gets_latest",
+    "UncheckedSize": "test_endpoint_size_checks",
+    "ReusedReceiveBuffer": "test_atomic_damaged_payload",
+    # a hung test fails and the run goes on: the ordered test after it still passes
+    "BlockingPublish": "test_versioned_counts_and_content or test_ordered_sender",
+    "DeadlineIgnored": "test_endpoint_calls_honour_deadlines",
+    "CloseNotIdempotent": "test_endpoint_close_from_any_state",
+    "EndpointInOptions": "test_portable_pickles",
+    "SharedAdoptable": "test_targeted_subset_send or test_isolated_kept_references",
+}
+
+
+class _EagerReceiver(_Receiver):
+    """Connects and announces itself when built, not in open(): init_on_receiver() half-connects."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        from wsync_core import Deadline
+
+        super().open(Deadline(5.0))
+
+    def open(self, deadline) -> None:
+        pass
+
+
+EagerReceiver = _transport("EagerReceiver", receiver=_EagerReceiver)
+BROKEN["EagerReceiver"] = "ordered"
+SELECT["EagerReceiver"] = "test_ordered_init_does_not_connect"
+
+
+class _BlockedInC(_Sender):
+    """From the fourth publish on, publish() blocks where no signal reaches it (as a call stuck in C)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.count = 0
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        import signal
+
+        self.count += 1
+        if self.count > 3:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+            while True:
+                time.sleep(3600)
+        super().publish(buffer, header, workers)
+
+
+BlockedInC = _transport("BlockedInC", sender=_BlockedInC)
+BROKEN["BlockedInC"] = "live"
+# the process running the hung test is ended; wsync conformance goes on with the ordered test
+SELECT["BlockedInC"] = "test_versioned_counts_and_content or test_ordered_sender"

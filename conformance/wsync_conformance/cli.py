@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser", "add_arguments", "pytest_args"]
+__all__ = ["main", "build_parser", "add_arguments", "pytest_args", "run_suite"]
 
 
 def pytest_args(args: argparse.Namespace) -> list[str]:
@@ -23,6 +27,8 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--wsync-guarantee", g]
     if getattr(args, "profile", None):
         out += ["--hypothesis-profile", args.profile]
+    if getattr(args, "thorough", False) or getattr(args, "profile", None) == "thorough":
+        out += ["--thorough"]
     if getattr(args, "keyword", None):
         out += ["-k", args.keyword]
     return out
@@ -30,8 +36,6 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the suite; print the table; return non-zero on any failure (or if nothing ran)."""
-    import pytest
-
     from .report import Collector, format_table
     from .target import Target, parse_options
     from .trust import trusted_runtime
@@ -46,16 +50,22 @@ def main(args: argparse.Namespace) -> int:
         print(f"wsync conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     collector = Collector()
-    code = pytest.main(pytest_args(args), plugins=[collector])
+    code = run_suite(pytest_args(args), collector)
     results = collector.by_guarantee()
-    profile = getattr(args, "profile", None) or "ci"
+    profile = getattr(args, "profile", None) or ("thorough" if getattr(args, "thorough", False) else "ci")
     header = f"wsync conformance: {label}, device {getattr(args, 'device', None) or 'cpu'}, profile {profile}"
     print()
-    print(format_table(results, header, declared, trusted))
+    capabilities = collector.by_capability(declared)
+    print(format_table(results, header, declared, capabilities, trusted))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             f.write(collector.to_json())
     failed = [g for g, r in results.items() if r["status"] == "failed"]
+    failed += [f"capability {c}" for c, r in capabilities.items() if r["status"] == "failed"]
+    selected = not (getattr(args, "keyword", None) or getattr(args, "guarantee", None))
+    untested = [c for c, r in capabilities.items() if r["status"] == "untested" and selected]
+    if untested:
+        failed.append(f"declared capabilities no test ran: {', '.join(untested)}")
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")
         return 1
@@ -67,6 +77,44 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print("\nPASSED: every guarantee that applies")
     return 0
+
+
+def run_suite(argv: list[str], collector) -> int:
+    """Run pytest ``argv`` in a child process, recording outcomes into ``collector``. If the
+    child ends with the watchdog's status (a test hung in C, past every interruption), the hung
+    test is recorded as failed under live and the run goes on without the tests already run.
+    Returns pytest's exit status."""
+    from .report import Outcome
+    from .watchdog import HUNG_EXIT_STATUS
+
+    skip: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="wsync-conformance-") as tmp:
+        path = os.path.join(tmp, "results.jsonl")
+        while True:
+            open(path, "w").close()
+            cmd = [sys.executable, "-m", "pytest", *argv, f"--wsync-results={path}", *(f"--deselect={n}" for n in skip)]
+            code = subprocess.call(cmd)
+            started: list[str] = []
+            hung: dict[str, str] = {}
+            with open(path) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if "started" in rec:
+                        started.append(rec["started"])
+                    elif "hung" in rec:
+                        hung[rec["hung"]] = rec["message"]
+                    else:
+                        collector.outcomes[rec["nodeid"]] = Outcome(rec["test"], rec["status"], rec["reason"],
+                                                                    rec["guarantees"], rec["capabilities"])
+            if code != HUNG_EXIT_STATUS or not started:
+                return code
+            last = started[-1]
+            if last not in collector.outcomes or collector.outcomes[last].status != "failed":
+                name = last.rsplit("::", 1)[-1]
+                collector.outcomes[last] = Outcome(name, "failed", "Hung: " + hung.get(
+                    last, "the test hung in a call that could not be interrupted; the process was ended"), ["live"])
+            print(f"\nwsync conformance: {last} hung past every interruption; going on with the rest\n", flush=True)
+            skip = sorted(set(skip) | set(started))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
+    p.add_argument("--thorough", action="store_true", help="the longer run: thorough profile, thorough-only tests")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="seconds a call that should succeed may take")

@@ -16,12 +16,12 @@ from wsync_core.protocol import Ack, Header
 from wsync_core.transport import Acked, Joined, SenderContext
 from wsync_core.weights import flatten
 
-from . import harness
+from . import harness, watchdog
 from .guarantees import violated
 from .models import ModelSpec, build, digests, fill
 from .target import Target
 
-__all__ = ["Context", "Session", "RawSender", "classify"]
+__all__ = ["Context", "Session", "RawSender", "classify", "raw_receiver", "send_expect_timeout"]
 
 
 def classify(got: dict[str, str], expected: dict[int, dict[str, str]]) -> tuple[str, Any]:
@@ -69,7 +69,10 @@ class Context:
         return s
 
     def workers(self, n: int) -> list[harness.Worker]:
-        taken = harness.acquire(n, self.process)
+        """``n`` receiver runners (processes, or threads for a transport without ``processes``);
+        the time spent starting them does not count against the test's budget."""
+        with watchdog.paused():
+            taken = harness.acquire(n, self.process)
         self._workers.extend(taken)
         return taken
 
@@ -84,15 +87,24 @@ class Context:
         return s
 
     def close(self) -> None:
+        """Shut down every scheme and endpoint; return the runners to the pool (kill them if the
+        test hung: they may be stuck in the transport)."""
         errors = []
-        for closer in reversed(self._closers):
-            try:
-                closer()
-            except Exception as exc:  # keep closing the rest; reported below
-                errors.append(exc)
-        self._closers.clear()
-        harness.release(self._workers)
-        self._workers.clear()
+        try:
+            for closer in reversed(self._closers):
+                try:
+                    closer()
+                except Exception as exc:  # keep closing the rest; reported below
+                    errors.append(exc)
+        finally:
+            self._closers.clear()
+            dog = watchdog.current()
+            if dog is not None and dog.fired:
+                for w in self._workers:
+                    w.kill()
+            else:
+                harness.release(self._workers)
+            self._workers.clear()
         if errors:
             raise errors[0]
 
@@ -159,7 +171,7 @@ class Session:
             yield out
         except BaseException as exc:
             for i in idx:
-                with contextlib.suppress(harness.HarnessError):
+                with contextlib.suppress(Exception):  # the error in flight is the one to report
                     out[i] = self.workers[i].stop()
             errs = {i: r.get("errors") for i, r in out.items() if r.get("errors")}
             if errs and hasattr(exc, "add_note"):
@@ -170,7 +182,9 @@ class Session:
 
     def send(self, *, worker_ids: list[int] | None = None, weights=None, timeout: float | None = None,
              follow: list[int] | None = None) -> int:
-        """``scheme.send(...)`` while the targets (or ``follow``) receive; records the expected digests."""
+        """``scheme.send(...)`` while the targets (or ``follow``) receive; records the expected
+        digests, then checks that every target holds exactly that version (the suite's own digests,
+        computed in each receiver) and that every reference a receiver holds kept its values."""
         expected = digests(weights if weights is not None else self.model)
         targets = follow if follow is not None else (worker_ids if worker_ids is not None else None)
         with self.following(targets) as reports:
@@ -183,8 +197,22 @@ class Session:
             if r.get("errors"):
                 raise AssertionError(f"worker {i} raised while receiving version {v}: {r['errors'][0]['error']}: "
                                      f"{r['errors'][0]['message']}")
+        reached = list(range(len(self.workers))) if worker_ids is None else list(worker_ids)
+        self.check(v, reached)
+        self.check_held()
         return v
 
+    def hold(self, workers: list[int] | None = None) -> None:
+        """Receivers ``workers`` (default: all) keep a reference to each tensor of their model."""
+        for i in range(len(self.workers)) if workers is None else workers:
+            self.workers[i].hold()
+
+    def check_held(self, workers: list[int] | None = None) -> None:
+        """Every reference a receiver keeps holds a version that was sent: the model's current
+        content while it still backs the model, else the values of the last version it backed
+        (a slot is never written while a tensor that views it is alive)."""
+        for i in range(len(self.workers)) if workers is None else workers:
+            check_held(i, self.workers[i].held(), self.expected)
     def check(self, version: int, workers: list[int] | None = None, guarantee: str = "exact") -> None:
         """Every receiver in ``workers`` holds ``version`` and its exact content."""
         for i in range(len(self.workers)) if workers is None else workers:
@@ -195,8 +223,16 @@ class Session:
             bad = sorted(k for k in want if snap["digests"].get(k) != want[k])
             if bad:
                 kind, detail = classify(snap["digests"], self.expected)
+                if kind == "match" and detail is not None and detail > version:  # memory written under it
+                    raise violated("isolated", f"worker {i} reports version {version} but holds version {detail}, "
+                                               f"which it never applied: memory it views was written")
+                if kind == "match":  # a whole other version: the report and the content disagree
+                    raise violated("versioned", f"worker {i} reports version {version} but holds exactly version "
+                                                f"{detail}")
+                if kind == "mixed":
+                    raise violated("atomic", f"worker {i} at version {version} holds a mix of versions: {detail}")
                 raise violated(guarantee, f"worker {i} at version {version}: keys {bad} differ from the sender's "
-                                          f"snapshot ({kind}: {detail})")
+                                          f"snapshot (content of no version sent in {detail})")
 
 
 class RawSender:
@@ -248,3 +284,37 @@ def send_expect_timeout(session: Session, missing: list[int], **kw: Any) -> tupl
     except WorkerTimeoutError as exc:
         return exc, time.monotonic() - t0
     raise violated("live", f"send() returned although workers {missing} never received")
+
+
+def raw_receiver(wsync: Context) -> tuple[RawSender, harness.Worker, dict]:
+    """One receiver connected to a raw sender (which can publish anything) and holding its version
+    0; returns the sender, the receiver and the receiver's digests."""
+    from wsync_core import WeightSyncScheme
+
+    from .models import fill_version, version_spec
+
+    spec = version_spec()
+    raw = RawSender(wsync, spec, 1)
+    (w,) = wsync.workers(1)
+    w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
+    w.call_async("connect", timeout=wsync.timeout)
+    raw.wait_joined([0])
+    fill_version(raw.model, 3)
+    raw.publish(raw.header(0), [0])
+    w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
+    return raw, w, w.snapshot()["digests"]
+
+
+def check_held(worker: int, held: list[dict[str, Any]], expected: dict[int, dict[str, str]]) -> None:
+    """Raise under "isolated" if a reference worker ``worker`` keeps (``Worker.held()``) and that
+    no longer backs its model changed after the model moved on."""
+    for hold in held:
+        for key, (digest, backs, last) in hold["keys"].items():
+            if backs or last not in expected or key not in expected[last]:
+                continue
+            if digest != expected[last][key]:
+                owners = sorted(v for v, e in expected.items() if e.get(key) == digest)
+                now = f"the content of version {owners}" if owners else "content of no version sent"
+                raise violated("isolated", f"worker {worker}: a tensor it kept since version {hold['taken']} "
+                                           f"({key!r}, last backing the model at version {last}) was written after "
+                                           f"the model moved on: it now holds {now}")

@@ -1,12 +1,12 @@
-"""The ten guarantees of SPEC.md, by name, and how a test says which one it proves."""
+"""The ten guarantees (docs/guarantees.md), by name, and how a test says which one it proves."""
 
 from __future__ import annotations
 
 import pytest
 
-__all__ = ["GUARANTEES", "CAPABILITY_NAMES", "guarantee", "GuaranteeViolation", "violated"]
+__all__ = ["GUARANTEES", "CAPABILITY_NAMES", "guarantee", "capability", "GuaranteeViolation", "violated"]
 
-#: name -> one line from SPEC.md
+#: name -> one line from docs/guarantees.md
 GUARANTEES: dict[str, str] = {
     "exact": "the receiver's model equals the sender's snapshot bit for bit",
     "isolated": "receivers never see what the trainer wrote but did not send",
@@ -44,3 +44,10 @@ class GuaranteeViolation(AssertionError):
 def violated(name: str, message: str) -> GuaranteeViolation:
     """The error to raise when guarantee ``name`` is broken."""
     return GuaranteeViolation(name, message)
+
+
+def capability(name: str) -> pytest.MarkDecorator:
+    """Mark a test as proving the declared capability ``name``."""
+    if name not in CAPABILITY_NAMES:
+        raise ValueError(f"unknown capability {name!r}; known: {', '.join(CAPABILITY_NAMES)}")
+    return pytest.mark.wsync_capability(name)

@@ -28,11 +28,17 @@ __all__ = [
     "fill_version",
     "random_values",
     "digests",
+    "digest_of",
+    "payload_digest",
     "rich_spec",
     "version_spec",
+    "many_spec",
+    "oracle_spec",
+    "ORACLE_SIZES",
+    "KINDS",
 ]
 
-#: the dtypes SPEC.md names for the "exact" guarantee, by wire name
+#: the dtypes the "exact" guarantee covers (docs/guarantees.md), by wire name
 SPEC_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
 KINDS: tuple[str, ...] = ("module", "tensordict", "state_dict")
 SOURCES: tuple[str, ...] = ("contiguous", "transposed", "strided", "shared")
@@ -215,19 +221,11 @@ def random_values(spec: ModelSpec, seed: int, styles: Mapping[str, str] | None =
 
 def digests(model) -> dict[str, str]:
     """Key -> BLAKE2b of the tensor's raw bytes (bit-exact comparison without shipping bytes)."""
-    out = {}
-    for key, t in flatten(model).items():
-        if t.numel() == 0:
-            data = b""
-        else:
-            flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
-            data = flat.view(torch.uint8).numpy().tobytes()
-        out[key] = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return out
+    return {key: digest_of(t) for key, t in flatten(model).items()}
 
 
 def rich_spec(kind: str = "module", large_mib: int = 4) -> ModelSpec:
-    """Every SPEC dtype; 0-d, empty and large tensors; nested keys; parameters and buffers;
+    """Every dtype of the contract; 0-d, empty and large tensors; nested keys; parameters and buffers;
     transposed, strided, shared-storage and tied sources."""
     ts = [
         TensorSpec("encoder.layer0.weight", (16, 8), "float32", source="transposed"),
@@ -257,3 +255,54 @@ def version_spec(kind: str = "module", side: int = 64) -> ModelSpec:
     number, a torn model shows up as tensors holding different numbers."""
     ts = [TensorSpec(f"block{i}.weight", (side, side), ("float32", "float64", "int64")[i % 3]) for i in range(8)]
     return ModelSpec(kind, tuple(ts))
+
+
+def digest_of(t: torch.Tensor) -> str:
+    """BLAKE2b of one tensor's raw bytes (the suite's own digest, independent of wsync's checksum)."""
+    if t.numel() == 0:
+        data = b""
+    else:
+        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
+        data = flat.view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def payload_digest(payload: torch.Tensor) -> str:
+    """SHA-256 of a delivery's payload bytes ("meta" for a tensor without memory behind it)."""
+    if not isinstance(payload, torch.Tensor):
+        return f"not a tensor: {type(payload).__name__}"
+    if payload.device.type == "meta":
+        return "meta"
+    flat = payload.detach().reshape(-1).cpu().contiguous()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
+
+
+def many_spec(kind: str = "module", total_mib: float = 4.0, count: int = 36) -> ModelSpec:
+    """``count`` tensors cycling through every dtype (0-d and empty ones among them), about
+    ``total_mib`` MiB in all: a model big enough for zero-copy receivers, with many keys."""
+    per = int(total_mib * (1 << 20)) // max(1, count - 4)
+    ts = [TensorSpec("scalar.f32", (), "float32"), TensorSpec("scalar.i64", (), "int64", buffer=True),
+          TensorSpec("empty.f16", (0, 4), "float16"), TensorSpec("empty.u8", (0,), "uint8", buffer=True)]
+    for i in range(count - len(ts)):
+        dtype = SPEC_DTYPES[i % len(SPEC_DTYPES)]
+        itemsize = DTYPES[dtype].itemsize
+        cols = 256 // itemsize if itemsize < 8 else 32
+        rows = max(1, per // (cols * itemsize))
+        floating = dtype in ("float64", "float32", "float16", "bfloat16")
+        ts.append(TensorSpec(f"layer{i // 6}.t{i}", (rows, cols), dtype, buffer=not floating))
+    return ModelSpec(kind, tuple(ts))
+
+
+#: the models the oracle tests draw from: tiny, every dtype with odd shapes, and >= 4 MiB with many tensors
+ORACLE_SIZES: tuple[str, ...] = ("tiny", "rich", "large")
+
+
+def oracle_spec(size: str, kind: str = "module") -> ModelSpec:
+    """A model of one of ``ORACLE_SIZES``."""
+    if size == "tiny":
+        return ModelSpec(kind, (TensorSpec("w", (3,), "float32"), TensorSpec("b", (), "int8", buffer=True)))
+    if size == "rich":
+        return rich_spec(kind, 0)
+    if size == "large":
+        return many_spec(kind, 4.0)
+    raise ValueError(f"oracle model size must be one of {ORACLE_SIZES}, got {size!r}")

@@ -21,16 +21,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="transport option, repeatable; values parse as int, float, bool, None or string")
     group.addoption("--wsync-timeout", type=float, default=None, metavar="SECONDS",
                     help="seconds a call that should succeed may take (default: 30)")
+    group.addoption("--thorough", action="store_true", dest="wsync_thorough", default=False,
+                    help="the longer profile: the thorough hypothesis profile, the tests marked thorough, "
+                         "ten times the budget per test")
+    group.addoption("--wsync-results", default=None, metavar="FILE",
+                    help="append each test's start and outcome to FILE as JSON lines (used by wsync conformance)")
     group.addoption("--wsync-guarantee", action="append", default=[], metavar="NAME",
                     help=f"only run the tests of these guarantees ({', '.join(GUARANTEES)})")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "wsync_guarantee(*names): the wsync guarantees a conformance test proves")
+    config.addinivalue_line("markers", "wsync_budget(seconds, timeouts, short_timeouts): waits a conformance "
+                                       "test declares beyond its budget")
+    config.addinivalue_line("markers", "wsync_thorough: a conformance test that runs only with --thorough")
+    config.addinivalue_line("markers", "wsync_capability(name): the declared capability a conformance test proves")
     try:
         chosen = config.getoption("hypothesis_profile")
     except ValueError:  # hypothesis's pytest plugin is not loaded
         chosen = None
+    if chosen is None and config.getoption("wsync_thorough"):
+        chosen = "thorough"
+    if config.getoption("wsync_results"):
+        from .report import ResultsWriter
+
+        config.pluginmanager.register(ResultsWriter(config.getoption("wsync_results")), "wsync-results")
     profiles.choose(chosen)
 
 
@@ -49,3 +64,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test whose watchdog fired fails under "live" with the watchdog's finding first, whatever
+    error the interrupted test raised next."""
+    outcome = yield
+    report = outcome.get_result()
+    dog = getattr(item, "wsync_watchdog", None)
+    message = dog.message if dog is not None else None
+    if message and report.failed and not getattr(item, "wsync_hung_reported", False):
+        item.wsync_hung_reported = True
+        report.sections.insert(0, ("wsync watchdog", message))
+        report.longrepr = f"[live] {message}\n\n{report.longrepr}"

@@ -1,4 +1,5 @@
-"""Receivers as scripts: ``python SCRIPT CONFIG_JSON`` in a child process that prints JSON lines.
+"""Receivers as scripts: ``python SCRIPT CONFIG_JSON`` in a child process that prints JSON lines
+(part of the public harness: ``wsync_conformance.harness`` re-exports both names).
 
 ``workers = script_workers(Path(__file__).with_name("my_worker.py"))`` in a conftest.py gives tests
 a ``workers(config, prefix=())`` fixture whose processes are killed at teardown, whatever happens.
@@ -22,8 +23,10 @@ class ScriptProcess:
     """One ``python SCRIPT CONFIG_JSON`` process (``prefix`` before it, e.g. a ``Host.prefix``)."""
 
     def __init__(self, script: str | PathLike, config: dict[str, Any], prefix: Sequence[str] = ()) -> None:
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(script), json.dumps(config)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        from .harness import launch
+
+        self.proc = launch([sys.executable, str(script), json.dumps(config)], prefix, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
 
     def lines(self, timeout: float = 120.0) -> list[dict]:
         """Wait for it to end (raises subprocess.TimeoutExpired after ``timeout`` s); its JSON lines."""

@@ -13,13 +13,20 @@ import time
 from typing import Any
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from wsync_core import StateError, WorkerTimeoutError
 
 from . import profiles, resources
-from .context import Context, Session, classify
+from .context import Context, Session, check_held, classify
 from .guarantees import violated
-from .models import digests, fill_version, version_spec
+from .models import ORACLE_SIZES, digests, fill, oracle_spec, random_values
 from .portable import MAX_PICKLE_BYTES, inspect_pickle
 from .trust import trusted_runtime, untrusted_unpickling
 
@@ -38,10 +45,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.before = resources.snapshot()
-        self.s = Session(self.ctx, version_spec(), self.pool, sync=True)
-        self.label = 0  # what the trainer's model holds now (every tensor filled with it)
-        fill_version(self.s.model, self.label)
-        self.labels: dict[str, int] = {}
+        self.s: Session | None = None
+
+    @initialize(size=st.sampled_from(ORACLE_SIZES), kind=st.sampled_from(("module", "tensordict", "state_dict")))
+    def start(self, size: str, kind: str) -> None:
+        """A model drawn from tiny to >= 4 MiB with many tensors and every dtype."""
+        self.s = Session(self.ctx, oracle_spec(size, kind), self.pool, sync=True)
+        self.label = 0  # what the trainer's model holds now (the values of seed ``label``)
+        self._write()
         self.s.connect()
         self.version = 0
         self.held = {w: 0 for w in range(N_WORKERS)}  # the version each receiver applied
@@ -49,12 +60,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.by_version: dict[int, dict[str, str]] = {0: self.s.expected[0]}
         self.pending: list[Any] = []
 
+    def _write(self) -> None:
+        fill(self.s.model, random_values(self.s.spec, self.label))
+
     # -- rules ---------------------------------------------------------------------------------
     @rule()
     def trainer_writes(self) -> None:
         """The trainer changes its model and does not send it."""
         self.label += 1
-        fill_version(self.s.model, self.label)
+        self._write()
 
     def _snapshot(self) -> dict[str, str]:
         return digests(self.s.model)
@@ -158,6 +172,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.held[w] = max([self.held[w], *r.get("applied", [])])
         self.pending.clear()
 
+    @rule(worker=st.integers(0, N_WORKERS - 1))
+    def worker_keeps_references(self, worker: int) -> None:
+        """A worker keeps a reference to each tensor of its model (checked after every later step)."""
+        self.s.workers[worker].hold()
+
     @rule()
     def pickle_scheme(self) -> None:
         report = inspect_pickle(self.s.scheme)
@@ -193,8 +212,11 @@ class LifecycleMachine(RuleBasedStateMachine):
                                         f"(an unsent trainer write, or damaged bytes)")
             if snap["digests"] != self.by_version[self.held[w]]:
                 raise violated("versioned", f"worker {w} reports version {self.held[w]} but holds version {detail}")
+            check_held(w, worker.held(), self.by_version)
 
     def teardown(self) -> None:
+        if self.s is None:
+            return
         try:
             events = []
             for w in self.s.workers:

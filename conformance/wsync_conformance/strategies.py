@@ -1,5 +1,5 @@
 """Hypothesis strategies for what users really sync: nested modules, parameters and buffers,
-every SPEC dtype, 0-d, empty and large tensors, non-contiguous and shared-storage sources,
+every dtype of the contract, 0-d, empty and large tensors, non-contiguous and shared-storage sources,
 state_dicts and TensorDicts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _MODULES = ("encoder", "decoder", "blk0", "blk1", "head", "norm")
 
 
 def dtypes() -> st.SearchStrategy[str]:
-    """Every dtype SPEC.md names for the exact guarantee."""
+    """Every dtype the exact guarantee covers."""
     return st.sampled_from(SPEC_DTYPES)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wsync_conformance import harness
 from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,6 +35,7 @@ class Pool:
     """
 
     def __init__(self, method: str = "spawn") -> None:
+        self.method = method
         self.ctx = multiprocessing.get_context(method)
         self.stop = self.ctx.Event()
         self.queues: list = []
@@ -45,8 +47,7 @@ class Pool:
         return self.queues[-1]
 
     def start(self, target, *args):
-        proc = self.ctx.Process(target=target, args=args, daemon=True)
-        proc.start()
+        proc = harness.start_process(target, *args, kind=self.method)  # dies with the test run
         self.procs.append(proc)
         return proc
 

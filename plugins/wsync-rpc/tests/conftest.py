@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wsync_conformance.scripts import script_workers
+from wsync_conformance.harness import script_workers
 
 workers = script_workers(Path(__file__).with_name("rpc_worker.py"))

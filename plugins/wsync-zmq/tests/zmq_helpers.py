@@ -1,4 +1,5 @@
-"""Helpers for the zmq tests: a worker process driven through its stdin/stdout."""
+"""Helpers for the zmq tests: a worker process driven through its stdin/stdout, launched with the
+conformance harness (it dies with the test run)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from wsync_conformance.harness import launch
 
 from zmq_worker import digest, make_model
 
@@ -28,8 +30,8 @@ class WorkerProcess:
     def __init__(self, worker: int, options: dict, prefix: tuple[str, ...] = (), **config) -> None:
         self.worker = worker
         config = {"worker": worker, "options": options, **config}
-        self.proc = subprocess.Popen([*prefix, sys.executable, self.script, json.dumps(config)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = launch([sys.executable, self.script, json.dumps(config)], prefix, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[dict] = queue.Queue()
         self.seen: list[dict] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -1,0 +1,108 @@
+"""What every check mixin relies on: the transport under test, its timeouts, and the per-test
+``wsync`` fixture (a ``Context``) under a budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from wsync_core import Transport
+
+from .. import harness
+from ..context import Context
+from ..target import Target
+from ..watchdog import Watchdog
+
+__all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorough"]
+
+#: slack on top of a timeout before a call counts as not honouring it (the machine may be busy)
+SLACK_S = 20.0
+#: a test's budget: the timeouts it waits out (``budget(...)``) plus this much for its work
+BUDGET_SLACK_S = 30.0
+#: how much longer tests may take with ``--thorough`` (more examples, longer state machines)
+THOROUGH_FACTOR = 10.0
+
+
+def budget(seconds: float = 0.0, timeouts: float = 0.0, short_timeouts: float = 0.0) -> pytest.MarkDecorator:
+    """Mark a test as waiting out ``seconds`` plus ``timeouts`` times the suite's timeout plus
+    ``short_timeouts`` times its short timeout, beyond the one timeout every test is allowed."""
+    return pytest.mark.wsync_budget(seconds=seconds, timeouts=timeouts, short_timeouts=short_timeouts)
+
+
+def thorough() -> pytest.MarkDecorator:
+    """Mark a test that runs only with ``--thorough``."""
+    return pytest.mark.wsync_thorough
+
+
+def option(request: pytest.FixtureRequest, name: str) -> Any:
+    """The value of pytest option ``name``, or None when the wsync_conformance plugin is not loaded."""
+    try:
+        return request.config.getoption(name)
+    except ValueError:
+        return None
+
+
+class SuiteBase:
+    """The configuration a transport's test class sets, and the fixtures every check uses."""
+
+    #: entry-point name, ``"module:attr"``, Transport class, Transport object or factory(**options)
+    transport: ClassVar[str | Transport | type[Transport] | Callable[..., Transport]] = "inproc"
+    #: options for the transport
+    options: ClassVar[dict[str, Any]] = {}
+    #: ``cpu`` or ``cuda`` (``--wsync-device`` overrides)
+    device: ClassVar[str] = "cpu"
+    #: seconds a call that should succeed may take (``--wsync-timeout`` overrides)
+    timeout: ClassVar[float] = 30.0
+    #: seconds for calls that must time out
+    short_timeout: ClassVar[float] = 1.0
+    #: size of the large tensor in the rich model
+    large_mib: ClassVar[int] = 4
+
+    @pytest.fixture(autouse=True)
+    def wsync_budget(self, request: pytest.FixtureRequest):
+        """Every test runs under a watchdog: one timeout, the waits it declares with ``budget``,
+        and 30 s of work (x10 with --thorough); past that it fails naming the call that hung."""
+        timeout = float(option(request, "wsync_timeout") or self.timeout)
+        deep = bool(option(request, "wsync_thorough"))
+        if request.node.get_closest_marker("wsync_thorough") is not None and not deep:
+            pytest.skip("runs only with --thorough")
+        waits = 0.0
+        mark = request.node.get_closest_marker("wsync_budget")
+        if mark is not None:
+            kw = mark.kwargs
+            waits = kw.get("seconds", 0.0) + kw.get("timeouts", 0.0) * timeout + kw.get("short_timeouts", 0.0) * self.short_timeout
+        total = timeout + waits + BUDGET_SLACK_S * (THOROUGH_FACTOR if deep else 1.0)
+
+        def kill_hung() -> None:
+            for w, _ in harness.waiting():
+                w.kill()
+
+        dog = Watchdog(total, f"test {request.node.name}", on_hang=kill_hung, nodeid=request.node.nodeid).start()
+        request.node.wsync_watchdog = dog  # the report names the hung call, whatever error followed it
+        try:
+            yield dog
+        finally:
+            dog.stop()
+
+    @pytest.fixture
+    def wsync_target(self) -> Target:
+        """The transport under test (``TestConformance`` takes it from the command line)."""
+        return Target(type(self).transport, dict(type(self).options))
+
+    @pytest.fixture
+    def wsync(self, request: pytest.FixtureRequest, wsync_target: Target):
+        """A Context for one test; frees every scheme and returns every receiver runner after it."""
+        device = option(request, "wsync_device") or self.device
+        timeout = option(request, "wsync_timeout") or self.timeout
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                pytest.skip("CUDA is not available on this machine")
+            if not wsync_target.capabilities.cuda:
+                pytest.skip(f"transport {wsync_target.name!r} does not declare the 'cuda' capability")
+        ctx = Context(wsync_target, device, float(timeout), self.short_timeout)
+        try:
+            yield ctx
+        finally:
+            ctx.close()

@@ -1,0 +1,167 @@
+"""Declared capabilities, each proved: ``auth`` and ``multi_host`` by tests the transport drives
+through hooks it supplies on its ``TransportSuite`` subclass, ``zero_copy`` on the endpoints.
+
+- ``auth_options(self, good: bool) -> dict``: with ``good=True``, options (merged over
+  ``options``) for the sender and the receivers that authenticate; with ``good=False``, options
+  that a peer without valid credentials uses (merged over the sender's own resolved options, so
+  it reaches the same sender).
+- ``multi_host_options(self, host_address: str) -> dict``: options (merged over ``options``)
+  for a sender that listens on ``host_address``, the sender's address on a bridge to another
+  network namespace (``wsync_conformance.netns``), where a receiver runs.
+
+A transport that declares ``auth`` or ``multi_host`` without the hook fails the test, which
+says what to supply.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from wsync_core import Deadline, WeightSyncScheme, WorkerTimeoutError
+from wsync_core.transport import ZERO_COPY_MIN_BYTES
+
+from .. import harness, netns, watchdog
+from ..context import Context
+from ..guarantees import capability, guarantee, violated
+from ..models import build, digests, many_spec, random_values, version_spec
+from ..target import Target
+from .base import SLACK_S, budget
+from .endpoint import Endpoints
+
+__all__ = ["CapabilityChecks"]
+
+
+def _hook(suite: Any, name: str, capability_name: str, signature: str, what: str):
+    hook = getattr(suite, name, None)
+    if hook is None:
+        pytest.fail(f"transport declares the {capability_name!r} capability but its TransportSuite subclass does not "
+                    f"supply `{name}{signature}`: {what} (see docs/conformance.md, 'Capabilities')", pytrace=False)
+    return hook
+
+
+class CapabilityChecks:
+    """Tests of the capabilities a transport declares (a mixin of ``TransportSuite``)."""
+
+    @guarantee("safe")
+    @capability("auth")
+    @budget(short_timeouts=10)
+    def test_capability_auth(self, wsync: Context) -> None:
+        """A peer without valid credentials never joins, never gets a payload and never changes a
+        model; authenticated workers are served as usual."""
+        wsync.require("auth")
+        hook = _hook(self, "auth_options", "auth", "(self, good: bool) -> dict",
+                     "options for the sender and authenticated receivers (good=True) and for a peer without "
+                     "valid credentials (good=False)")
+        good, bad = dict(hook(True)), dict(hook(False))
+        wsync.target = Target(wsync.target.transport, {**wsync.target.options, **good})
+        wait = wsync.short_timeout * 5
+        s = wsync.session(version_spec(), n=2, connect=False)
+        t = s.scheme.transport
+        stranger = WeightSyncScheme(type(t)(**{**t.options, **bad}), timeout=wait)
+        s.workers[1].open(stranger, s.spec, wsync.device, 1)
+        before = s.workers[1].snapshot()["digests"]
+        s.fill(random_values(s.spec, 1))
+        s.expected[0] = digests(s.model)
+        s.workers[0].call_async("connect", timeout=wsync.timeout)
+        s.workers[1].call_async("connect", timeout=wait)
+        try:
+            s.scheme.connect(timeout=wait)
+        except WorkerTimeoutError as exc:
+            if 1 not in exc.workers:
+                raise violated("safe", f"connect() timed out for {exc.workers}, not for the unauthenticated peer") from exc
+        else:
+            raise violated("safe", "the sender's connect() completed with a peer that has no valid credentials")
+        finally:
+            replies = {i: s.workers[i].recv(wsync.timeout + SLACK_S, "answer to connect") for i in (0, 1)}
+        replies[0].raise_for_error("the authenticated worker's connect()")
+        if replies[1].error is None:
+            raise violated("safe", f"a peer without valid credentials connected (version {replies[1].get('version')})")
+        s.check(0, [0], guarantee="safe")
+        s.fill(random_values(s.spec, 2))
+        with s.following([0, 1]) as reports:
+            try:
+                s.scheme.send(timeout=wait)
+            except WorkerTimeoutError as exc:
+                if exc.workers != [1]:
+                    raise violated("safe", f"send() names {exc.workers}, expected only the unauthenticated peer [1]") from exc
+        if reports[1].get("applied"):
+            raise violated("safe", f"the unauthenticated peer applied versions {reports[1]['applied']}")
+        if s.workers[1].snapshot()["digests"] != before:
+            raise violated("safe", "the unauthenticated peer's model changed")
+        s.expected[1] = digests(s.model)
+        s.check(1, [0], guarantee="safe")
+
+    @guarantee("exact")
+    @capability("multi_host")
+    @budget(timeouts=2)
+    def test_capability_multi_host(self, wsync: Context) -> None:
+        """A receiver in another network namespace (another "host", joined by a bridge) connects
+        to a sender listening on its bridge address and applies every version exactly."""
+        wsync.require("multi_host")
+        hook = _hook(self, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
+                     "options for a sender listening on host_address, reachable from another network namespace")
+        if (reason := netns.available()) is not None:
+            pytest.skip(f"multi_host is declared but cannot be tested here: {reason}")
+        spec = version_spec()
+        with netns.hosts(2, local=True) as (here, there):
+            target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(here.address))})
+            local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
+            local.init_on_sender(model=build(spec), num_workers=1)  # resolves the options receivers need
+            copy = pickle.loads(pickle.dumps(local))
+            local.shutdown()
+            with watchdog.paused():
+                started = [harness.Worker(kind="spawn", wait=False),
+                           harness.Worker(kind="launched", prefix=there.prefix, wait=False)]
+                for w in started:
+                    w.wait_started()
+            sender, receiver = started
+            try:
+                sender.open(copy, spec, wsync.device, 0, init=False)
+                sender.call("init_on_sender", num_workers=1).raise_for_error("init_on_sender() in the sender runner")
+                receiver.open(copy, spec, wsync.device, 0)
+                expected = {0: sender.request("fill", seed=0).raise_for_error("fill")["digests"]}
+                receiver.call_async("connect", timeout=wsync.timeout)
+                sender.call("connect", timeout=wsync.timeout).raise_for_error("the sender's connect()")
+                receiver.recv(wsync.timeout + SLACK_S).raise_for_error(f"the receiver's connect() from {there.name}")
+                for v in (1, 2):
+                    expected[v] = sender.request("fill", seed=v).raise_for_error("fill")["digests"]
+                    receiver.follow()
+                    try:
+                        got = sender.call("send", timeout=wsync.timeout)
+                    finally:
+                        receiver.stop()
+                    got.raise_for_error(f"send() of version {v} to a receiver on another host")
+                    snap = receiver.snapshot()
+                    if snap["version"] != v or snap["digests"] != expected[v]:
+                        raise violated("exact", f"the receiver on another host holds version {snap['version']} "
+                                                f"{'with other content' if snap['version'] == v else ''}, expected {v}")
+            finally:
+                for w in started:
+                    w.exit()
+
+    @guarantee("exact")
+    @capability("zero_copy")
+    def test_capability_zero_copy(self, wsync: Context) -> None:
+        """For a CPU model of at least ZERO_COPY_MIN_BYTES, a receiver's delivery is the sender's
+        buffer itself (a thread receiver) or memory shared with the sender (a process receiver):
+        no other full copy in between."""
+        wsync.require("zero_copy")
+        if wsync.device != "cpu":
+            pytest.skip("the zero-copy check runs on CPU models")
+        e = Endpoints(wsync, 1, spec=many_spec("state_dict", ZERO_COPY_MIN_BYTES / (1 << 20) * 1.5, count=8))
+        e.connect()
+        buffer = e.publish(1, [0])
+        deadline = Deadline(wsync.timeout)
+        while not deadline.expired():
+            reply = e.workers[0].request("ep_shared", wsync.timeout + SLACK_S, timeout=deadline.remaining(),
+                                         pointer=buffer.data_ptr())
+            reply.raise_for_error("recv() for the zero-copy check")
+            if reply.get("version") == 1 or reply.get("version") is None:
+                break
+        if reply.get("version") != 1:
+            raise violated("live", f"the receiver endpoint did not get version 1 ({reply})")
+        if not reply.get("shared"):
+            raise violated("exact", f"zero_copy is declared, but the delivery of a {e.nbytes}-byte payload is private "
+                                    f"memory of the receiver ({reply.get('where')}): another full copy")

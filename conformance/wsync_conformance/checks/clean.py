@@ -1,0 +1,83 @@
+"""clean: shutdown and exit free every resource."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wsync_core import WorkerTimeoutError
+
+from .. import resources
+from ..context import Context, send_expect_timeout
+from ..guarantees import capability, guarantee, violated
+from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
+
+__all__ = ["CleanChecks"]
+
+
+class CleanChecks:
+    """The clean tests (a mixin of ``TransportSuite``)."""
+
+    def _lifecycle(self, wsync: Context, workers: list, mid: dict[str, Any] | None = None) -> None:
+        s = wsync.session(rich_spec("module", 1), workers=workers)
+        s.fill(random_values(s.spec, 1))
+        s.check(s.send())
+        if mid is not None:
+            mid["parent"] = resources.snapshot()
+            mid["workers"] = [w.request("resources") for w in s.workers] if wsync.process else []
+        for w in s.workers:
+            w.call("shutdown").raise_for_error("receiver shutdown()")
+        s.scheme.shutdown()
+        s.close()
+
+    @guarantee("clean")
+    def test_clean_after_shutdown(self, wsync: Context) -> None:
+        """After shutdown() on both sides: no thread, file descriptor, child process, shared
+        memory segment, listening socket or inproc channel is left behind."""
+        workers = wsync.workers(2)
+        self._lifecycle(wsync, workers)  # warm-up: lazy initialisation is not a leak
+        shm_before = resources.shm_entries()
+        before = resources.snapshot()
+        worker_before = [w.request("resources") for w in workers] if wsync.process else []
+        mid: dict[str, Any] = {}
+        self._lifecycle(wsync, workers, mid)
+        pool = {w.pid for w in workers}
+        found = resources.wait_for_no_leaks(before, resources.snapshot, ignore_children=pool)
+        found = [f"sender process: {f}" for f in found]
+        for i, (w, b) in enumerate(zip(workers, worker_before)):
+            found += [f"receiver process {i}: {f}" for f in resources.wait_for_no_leaks(
+                b, lambda w=w: w.request("resources"))]
+        used = set(mid["parent"]["shm_mapped"]).union(*(m["shm_mapped"] for m in mid["workers"]))
+        found += [f"shared memory segment {p} left in /dev/shm" for p in sorted(resources.shm_entries() - shm_before)
+                  if p in used]
+        if found:
+            raise violated("clean", "after shutdown():\n  " + "\n  ".join(found))
+
+    @guarantee("clean")
+    @capability("processes")
+    def test_clean_after_receiver_exit(self, wsync: Context) -> None:
+        """A receiver process that exits without shutdown(): the sender names it, and after the
+        sender's shutdown nothing of either is left behind."""
+        wsync.require("processes")
+        workers = wsync.workers(2)
+        self._lifecycle(wsync, workers)
+        shm_before = resources.shm_entries()
+        before = resources.snapshot()
+        s = wsync.session(version_spec(), workers=workers)
+        fill_version(s.model, 1)
+        s.check(s.send())
+        used = set(resources.snapshot()["shm_mapped"]).union(*(w.request("resources")["shm_mapped"] for w in workers))
+        workers[1].send("exit", abrupt=True)
+        workers[1].runner.join(30)
+        fill_version(s.model, 2)
+        s.expected[2] = digests(s.model)
+        with s.following([0]):
+            exc, _ = send_expect_timeout(s, [1], timeout=wsync.short_timeout)
+        if exc.workers != [1]:
+            raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected the dead worker [1]")
+        s.check(2, [0])
+        s.close()
+        found = resources.wait_for_no_leaks(before, resources.snapshot, ignore_children={w.pid for w in workers})
+        found += [f"shared memory segment {p} left in /dev/shm" for p in sorted(resources.shm_entries() - shm_before)
+                  if p in used]
+        if found:
+            raise violated("clean", "after a receiver died and the sender shut down:\n  " + "\n  ".join(found))

@@ -1,0 +1,437 @@
+"""The transport interface itself, on its endpoints (``Transport.sender(ctx)``/``receiver(ctx)``,
+no scheme): the rules of ``wsync_core.transport`` a transport keeps, each checked directly.
+
+- what ``acquire`` may return: never the last published buffer, never one a receiver still reads;
+- newest wins: a newer publish is never dropped in favour of an older queued one;
+- ``Joined``/``Acked``/``Left``: Left when a receiver closes or its process dies;
+- reconnect under the same index: a restarted worker is served;
+- size checks: a payload of the wrong size never reaches the core as a valid delivery;
+- deadlines: ``open``/``acquire``/``poll``/``recv`` return by their deadline, ``publish`` at once;
+- ``close`` from any state: before open, after open, twice, mid-stream.
+
+Receiver endpoints run in the harness's runners (their own processes for a process transport),
+driven by JSON commands; payload digests are computed there by the suite (SHA-256).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from wsync_core import Deadline, Layout, TransportError, WorkerTimeoutError
+from wsync_core.protocol import Header
+from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
+from wsync_core.weights import flatten
+
+from .. import harness
+from ..context import Context
+from ..guarantees import GuaranteeViolation, capability, guarantee, violated
+from ..models import ModelSpec, build, version_spec
+from .base import SLACK_S, budget
+
+__all__ = ["EndpointChecks", "Endpoints"]
+
+
+def _pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """``nbytes`` bytes that differ for every seed (a ramp offset by it)."""
+    return ((torch.arange(nbytes, dtype=torch.int64) * 7 + seed * 31) % 251).to(torch.uint8)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+class Endpoints:
+    """A bare sender endpoint in this process and bare receiver endpoints in harness runners."""
+
+    def __init__(self, wsync: Context, n: int, spec: ModelSpec | None = None) -> None:
+        self.ctx = wsync
+        self.spec = spec or version_spec(side=32)
+        self.layout = Layout.of(flatten(build(self.spec)))
+        self.nbytes = self.layout.nbytes
+        self.transport = wsync.target.make()
+        self.sender: SenderEndpoint = self.transport.sender(
+            SenderContext(n, self.layout, "policy", torch.device(wsync.sender_device)))
+        wsync._closers.append(self.sender.close)
+        self.blob = base64.b64encode(pickle.dumps(self.transport)).decode()  # after sender(): options may be resolved
+        self.workers = wsync.workers(n)
+        self.receiver_specs: dict[int, ModelSpec] = {}  # a worker's own model, where it differs from the sender's
+        self.events: list[Event] = []
+        self.published: dict[int, str] = {}  # version -> payload digest
+        self.last: torch.Tensor | None = None
+
+    # -- receivers -----------------------------------------------------------------------------
+    def start_receiver(self, i: int, worker: harness.Worker | None = None, *, timeout: float | None = None,
+                       opened: bool = True) -> None:
+        w = worker or self.workers[i]
+        w.send("ep_open", transport=self.blob, spec=self.receiver_specs.get(i, self.spec).to_json(), device=self.ctx.device, worker_idx=i,
+               timeout=self.ctx.timeout if timeout is None else timeout, open=opened)
+
+    def finish_receiver(self, i: int, worker: harness.Worker | None = None) -> harness.Reply:
+        w = worker or self.workers[i]
+        return w.recv(self.ctx.timeout + SLACK_S, "answer to the receiver endpoint's open()")
+
+    def connect(self, workers: list[int] | None = None) -> None:
+        """Open the receivers ``workers`` (default: all) and the sender together; wait for Joined."""
+        idx = list(range(len(self.workers))) if workers is None else workers
+        for i in idx:
+            self.start_receiver(i)
+        self.sender.open(Deadline(self.ctx.timeout))
+        for i in idx:
+            self.finish_receiver(i).raise_for_error(f"receiver endpoint {i}: open()")
+        self.wait_for(lambda e: isinstance(e, Joined), idx, "Joined", pump=True)
+
+    def recv(self, i: int, timeout: float, keep: bool = False, ack: bool = True) -> dict[str, Any]:
+        """Receiver ``i``'s recv(); it acks what it gets (as the core does) unless ``ack=False``,
+        and the sender keeps polling meanwhile (as the core's service thread does)."""
+        w = self.workers[i]
+        w.send("ep_recv", timeout=timeout, keep=keep, ack=ack)
+        deadline = Deadline(timeout + SLACK_S + 30)
+        while not w.conn.poll(0) and not deadline.expired():
+            self.poll(0.02)
+        reply = w.recv(deadline.remaining(), "answer to recv()")
+        reply.raise_for_error(f"receiver endpoint {i}: recv()")
+        return reply
+
+    # -- the sender ----------------------------------------------------------------------------
+    def header(self, version: int) -> bytes:
+        return Header(version, "policy", self.layout.digest, self.nbytes, None).encode()
+
+    def publish(self, version: int, workers: list[int]) -> torch.Tensor:
+        """acquire(), write version ``version``'s pattern, publish; returns the buffer."""
+        buffer = self.sender.acquire(Deadline(self.ctx.timeout))
+        check_buffer(buffer, self.nbytes, self.last)
+        data = _pattern(self.nbytes, version)
+        buffer.copy_(data.to(buffer.device))
+        self.published[version] = _sha(data)
+        self.sender.publish(buffer, self.header(version), workers)
+        self.last = buffer
+        return buffer
+
+    def poll(self, timeout: float) -> list[Event]:
+        t0 = time.monotonic()
+        got = self.sender.poll(Deadline(timeout))
+        took = time.monotonic() - t0
+        if took > timeout + SLACK_S:
+            raise violated("live", f"SenderEndpoint.poll(deadline of {timeout:g} s) returned after {took:.1f} s")
+        self.events.extend(got)
+        return got
+
+    def wait_for(self, match: Callable[[Event], bool], workers: list[int], what: str,
+                 timeout: float | None = None, pump: bool = False) -> None:
+        """Poll until an event ``match``-ing names each of ``workers``; raises under "live" if not.
+        With ``pump`` those receivers keep calling recv() meanwhile (a receiver may announce itself
+        from there, once its connection is up, as the core's connect() would let it)."""
+        deadline = Deadline(self.ctx.timeout if timeout is None else timeout)
+        seen: set[int] = set()
+        pumping: set[int] = set()
+        try:
+            while True:
+                seen |= {e.worker for e in self.events if match(e)}
+                if set(workers) <= seen:
+                    self.events = [e for e in self.events if not (match(e) and e.worker in workers)]
+                    return
+                if deadline.expired():
+                    raise violated("live", f"the sender endpoint never reported {what} for workers "
+                                           f"{sorted(set(workers) - seen)} within {deadline.timeout:g} s "
+                                           f"(events seen: {self.events[-8:]})")
+                if pump:
+                    for i in set(workers) - seen - pumping:
+                        self.workers[i].send("ep_recv", timeout=0.5, keep=False)
+                        pumping.add(i)
+                self.poll(deadline.slice(0.5))
+                for i in list(pumping):
+                    if self.workers[i].conn.poll(0):
+                        self.workers[i].recv(1.0).raise_for_error(f"receiver endpoint {i}: recv()")
+                        pumping.discard(i)
+        finally:
+            for i in pumping:
+                self.workers[i].recv(SLACK_S + 30, "answer to recv()")
+
+
+def check_buffer(buffer: Any, nbytes: int, last: torch.Tensor | None) -> None:
+    """What ``acquire`` returned: a contiguous uint8 tensor of ``nbytes``, not overlapping the
+    last published buffer."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 \
+            or buffer.numel() != nbytes or not buffer.is_contiguous():
+        raise violated("exact", f"acquire() returned {type(buffer).__name__} "
+                                f"{getattr(buffer, 'dtype', '')} {tuple(getattr(buffer, 'shape', ()))}, expected a "
+                                f"contiguous uint8 tensor of {nbytes} bytes")
+    if last is not None and last.device == buffer.device and nbytes:
+        a0, b0 = buffer.data_ptr(), last.data_ptr()
+        if a0 < b0 + last.numel() and b0 < a0 + buffer.numel():
+            raise violated("isolated", "acquire() returned the buffer of the last publish (or memory overlapping it): "
+                                       "the core would overwrite a payload that receivers may still read")
+
+
+def _version_of(delivery: dict[str, Any]) -> int:
+    return Header.decode(base64.b64decode(delivery["header"])).version
+
+
+class EndpointChecks:
+    """The transport interface's rules, on the endpoints (a mixin of ``TransportSuite``)."""
+
+    @guarantee("isolated")
+    def test_endpoint_acquire_never_returns_a_buffer_in_use(self, wsync: Context) -> None:
+        """Each acquire() returns a buffer that is neither the last one published nor one the
+        receiver still holds: the receiver's held delivery keeps its bytes while the next version
+        is written."""
+        e = Endpoints(wsync, 1)
+        e.connect()
+        held: dict[int, str] = {}
+        for v in range(1, 7):
+            e.publish(v, [0])  # acquire + write: the held delivery of v - 1 must not change
+            if held:
+                now = e.workers[0].request("ep_held").raise_for_error("ep_held")["digests"]
+                if now != list(held.values()):
+                    raise violated("isolated", f"writing version {v} into the buffer acquire() returned changed the "
+                                               f"payload of version {list(held)} that the receiver still holds")
+                e.workers[0].request("ep_release").raise_for_error("ep_release")
+                held.clear()
+            got = None
+            deadline = Deadline(wsync.timeout)
+            while not deadline.expired():
+                reply = e.recv(0, deadline.remaining(), keep=True)
+                d = reply["delivery"]
+                if d is None:
+                    break
+                got = _version_of(d)
+                if d["digest"] != e.published.get(got):
+                    raise violated("isolated", f"the delivery of version {got} does not hold the bytes published "
+                                               f"under it")
+                if got == v:
+                    held[v] = d["digest"]
+                    break
+                e.workers[0].request("ep_release").raise_for_error("ep_release")
+            if got != v:
+                raise violated("live", f"the receiver endpoint got {got} instead of version {v} within {wsync.timeout} s")
+
+    @guarantee("versioned")
+    def test_endpoint_newest_wins(self, wsync: Context) -> None:
+        """Five publishes to a receiver that is not reading: it gets deliveries in rising order,
+        each with its own bytes, and the newest one always arrives (an older queued publish never
+        displaces a newer one)."""
+        e = Endpoints(wsync, 1)
+        e.connect()
+        for v in range(1, 6):
+            e.publish(v, [0])
+        got: list[int] = []
+        deadline = Deadline(wsync.timeout)
+        while (not got or got[-1] != 5) and not deadline.expired():
+            d = e.recv(0, deadline.slice(2.0))["delivery"]
+            if d is None:
+                continue
+            v = _version_of(d)
+            if d["digest"] != e.published.get(v):
+                raise violated("versioned", f"the delivery under version {v}'s header holds other bytes")
+            got.append(v)
+            if len(got) > 1 and got[-1] <= got[-2]:
+                raise violated("versioned", f"deliveries came out of order: {got}")
+        if not got or got[-1] != 5:
+            raise violated("versioned", f"after publishes of versions 1..5 the receiver got only {got}: the newest "
+                                        f"publish was dropped")
+
+    @guarantee("live")
+    @budget(timeouts=2)
+    @capability("processes")
+    def test_endpoint_joined_acked_left(self, wsync: Context) -> None:
+        """Joined when a receiver opens; Acked with exactly the bytes it sent; Left when it closes
+        and (with the processes capability) when its process dies, by the time the sender has kept
+        publishing to it for a timeout."""
+        e = Endpoints(wsync, 2)
+        e.connect()
+        data = b'{"ack": "opaque bytes \\u00e9", "n": 1}'
+        e.workers[0].request("ep_ack", data=base64.b64encode(data).decode()).raise_for_error("ack()")
+        e.wait_for(lambda ev: isinstance(ev, Acked) and ev.data == data, [0], "Acked(0, <the bytes sent>)")
+        bad = [ev for ev in e.events if isinstance(ev, Acked) and ev.data != data]
+        if bad:
+            raise violated("live", f"the sender saw {bad[0]!r}, not the bytes the receiver sent")
+        e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+        e.wait_for(lambda ev: isinstance(ev, Left), [0], "Left after the receiver closed")
+        if wsync.process:  # a transport may learn of a death only when it next sends there: it sends
+            e.workers[1].kill()
+            deadline = Deadline(wsync.timeout)
+            for v in range(10, 10_000):
+                e.publish(v, [1])
+                try:
+                    e.wait_for(lambda ev: isinstance(ev, Left), [1], "Left after the receiver's process died",
+                               timeout=min(3.0, deadline.remaining()))
+                    break
+                except GuaranteeViolation:
+                    if deadline.expired():
+                        raise
+
+    @guarantee("live")
+    @budget(timeouts=2)
+    @capability("late_join")
+    def test_endpoint_reconnect_same_index(self, wsync: Context) -> None:
+        """A worker that goes away (closes, or its process is killed) and comes back under the same
+        index is seen to join again and is served."""
+        wsync.require("late_join")
+        e = Endpoints(wsync, 1)
+        e.connect()
+        e.publish(1, [0])
+        d = e.recv(0, wsync.timeout)["delivery"]
+        if d is None or _version_of(d) != 1:
+            raise violated("live", f"the receiver endpoint did not get version 1 ({d})")
+        for how, version in (("closed", 2), ("killed", 3)):
+            if how == "closed" or not wsync.process:
+                e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+            else:
+                e.workers[0].kill()
+                e.workers[0] = wsync.workers(1)[0]
+            e.events.clear()
+            e.start_receiver(0)
+            e.finish_receiver(0).raise_for_error(f"the restarted receiver endpoint 0 ({how}): open()")
+            e.wait_for(lambda ev: isinstance(ev, Joined), [0], f"Joined for worker 0 back after it {how}", pump=True)
+            e.publish(version, [0])
+            got = None
+            deadline = Deadline(wsync.timeout)
+            while got != version and not deadline.expired():
+                d = e.recv(0, deadline.slice(2.0))["delivery"]
+                got = _version_of(d) if d is not None else got
+                if d is not None and d["digest"] != e.published.get(got):
+                    raise violated("live", f"the restarted worker got version {got} with other bytes")
+            if got != version:
+                raise violated("live", f"a worker restarted under the same index ({how}) was not served version "
+                                       f"{version} (got {got})")
+
+    @guarantee("safe")
+    def test_endpoint_size_checks(self, wsync: Context) -> None:
+        """Receivers whose model is larger (worker 0) or smaller (worker 1) than the sender's get
+        the sender's payload: recv() refuses it, returns nothing, or returns it at the size it was
+        sent, never as a delivery of the receiver's own size (the core would take it for valid)."""
+        e = Endpoints(wsync, 2)
+        sizes = {0: version_spec(side=33), 1: version_spec(side=31)}
+        e.receiver_specs = sizes
+        e.connect()
+        e.publish(1, [0, 1])
+        for i, spec in sizes.items():
+            mine = Layout.of(flatten(build(spec))).nbytes
+            deadline = Deadline(3.0)
+            while not deadline.expired():
+                reply = e.workers[i].request("ep_recv", 3.0 + SLACK_S + 30, timeout=deadline.remaining(), keep=False)
+                if reply.error in ("TransportError", "SchemaMismatchError"):
+                    break
+                if reply.error:
+                    raise violated("safe", f"a payload of {e.nbytes} bytes for a {mine}-byte receiver: recv() raised "
+                                           f"{reply.error}: {reply.get('message')}")
+                d = reply["delivery"]
+                if d is None:
+                    break
+                if d["size"] == mine:
+                    raise violated("safe", f"a payload of {e.nbytes} bytes came out of recv() as a delivery of the "
+                                           f"receiver's own {mine} bytes: the core would apply it as valid")
+                if d["size"] == e.nbytes and d["digest"] not in ("meta", e.published.get(_version_of(d))):
+                    raise violated("exact", "a payload delivered at its own size holds other bytes than were sent")
+
+    @guarantee("live")
+    @budget(short_timeouts=12)
+    def test_endpoint_calls_honour_deadlines(self, wsync: Context) -> None:
+        """open() without a peer, poll() and recv() with nothing to get, and acquire() while the
+        receiver keeps its newest delivery return (or raise WorkerTimeoutError) by their deadline;
+        publish() returns without waiting for the receiver."""
+        short = wsync.short_timeout
+        # a receiver endpoint whose sender never comes
+        lonely = Endpoints(wsync, 1)
+        t0 = time.monotonic()
+        lonely.start_receiver(0, timeout=short)
+        reply = lonely.finish_receiver(0)
+        took = time.monotonic() - t0
+        if took > short + SLACK_S:
+            raise violated("live", f"ReceiverEndpoint.open(deadline of {short:g} s) without a sender took {took:.1f} s")
+        if reply.error not in (None, "WorkerTimeoutError", "TransportError"):
+            raise violated("live", f"ReceiverEndpoint.open() without a sender raised {reply.error}: "
+                                   f"{reply.get('message')}")
+        lonely.workers[0].request("close", 30.0)
+        e = Endpoints(wsync, 1)
+        e.connect()
+        if e.poll(short):
+            e.events.clear()
+        reply = e.recv(0, short)
+        if reply["delivery"] is not None:
+            raise violated("live", "recv() returned a delivery although nothing was published")
+        if reply["took"] > short + SLACK_S:
+            raise violated("live", f"ReceiverEndpoint.recv(deadline of {short:g} s) took {reply['took']:.1f} s")
+        held: dict[int, str] = {}
+        for v in range(1, 9):  # the receiver keeps deliveries: buffers may run out, acquire must still return
+            t0 = time.monotonic()
+            try:
+                buffer = e.sender.acquire(Deadline(short))
+            except WorkerTimeoutError:
+                took = time.monotonic() - t0
+                if took > short + SLACK_S:
+                    raise violated("live", f"acquire(deadline of {short:g} s) raised after {took:.1f} s") from None
+                break
+            took = time.monotonic() - t0
+            if took > short + SLACK_S:
+                raise violated("live", f"SenderEndpoint.acquire(deadline of {short:g} s) took {took:.1f} s")
+            check_buffer(buffer, e.nbytes, e.last)
+            buffer.copy_(_pattern(e.nbytes, v).to(buffer.device))
+            if held:
+                now = e.workers[0].request("ep_held").raise_for_error("ep_held")["digests"]
+                if now != list(held.values()):
+                    raise violated("isolated", f"acquire() returned a buffer the receiver still holds (versions "
+                                               f"{list(held)}): writing version {v} changed it")
+            e.published[v] = _sha(_pattern(e.nbytes, v))
+            t0 = time.monotonic()
+            e.sender.publish(buffer, e.header(v), [0])
+            took = time.monotonic() - t0
+            if took > wsync.timeout:
+                raise violated("live", f"SenderEndpoint.publish() took {took:.1f} s: it must not wait for receivers")
+            e.last = buffer
+            d = e.recv(0, wsync.timeout, keep=True)["delivery"]
+            if d is None:
+                raise violated("live", f"version {v} was published but recv() got nothing in {wsync.timeout} s")
+            held[_version_of(d)] = d["digest"]
+            if len(held) > 1:  # as the core: it keeps the delivery its model views once it applied the next
+                e.workers[0].request("ep_release", keep_last=1).raise_for_error("ep_release")
+                del held[min(held)]
+        e.workers[0].request("ep_release").raise_for_error("ep_release")
+
+    @guarantee("clean")
+    def test_endpoint_close_from_any_state(self, wsync: Context) -> None:
+        """close() works (returns, raises nothing) before open, after open, twice, and mid-stream:
+        with a delivery held by the receiver, with the sender gone first, and after ready() without
+        a publish."""
+        layout = Layout.of(flatten(build(version_spec(side=32))))
+        transport = wsync.target.make()
+        ctx = SenderContext(1, layout, "policy", torch.device(wsync.sender_device))
+        for label, endpoint in (("an unopened sender", transport.sender(ctx)),):
+            _closes(label, endpoint.close)
+            _closes(f"{label}, a second time", endpoint.close)
+        e = Endpoints(wsync, 1)
+        e.start_receiver(0, opened=False)
+        e.finish_receiver(0).raise_for_error("receiver endpoint construction")
+        reply = e.workers[0].request("ep_close", 60.0)
+        if reply.error:
+            raise violated("clean", f"close() of an unopened receiver endpoint raised {reply.error}: {reply.get('message')}")
+        e.connect()
+        e.publish(1, [0])
+        d = e.recv(0, wsync.timeout, keep=True)["delivery"]
+        if d is None:
+            raise violated("live", "the receiver endpoint did not get version 1")
+        if e.sender.stream_bytes > 0:
+            buffer = e.sender.acquire(Deadline(wsync.timeout))
+            e.sender.ready(buffer, min(e.nbytes, e.sender.stream_bytes), [0])
+        _closes("the sender, while a receiver holds a delivery (and mid-stream for a streaming one)", e.sender.close)
+        _closes("the sender, a second time", e.sender.close)
+        reply = e.workers[0].request("ep_close", 60.0, keep=True)
+        if reply.error:
+            raise violated("clean", f"close() of a receiver holding a delivery, after its sender closed, raised "
+                                    f"{reply.error}: {reply.get('message')}")
+
+
+def _closes(label: str, close: Callable[[], None]) -> None:
+    t0 = time.monotonic()
+    try:
+        close()
+    except Exception as exc:  # reported as the violation it is
+        raise violated("clean", f"close() of {label} raised {type(exc).__name__}: {exc}") from exc
+    if time.monotonic() - t0 > SLACK_S:
+        raise violated("clean", f"close() of {label} took {time.monotonic() - t0:.1f} s")

@@ -1,0 +1,89 @@
+"""exact: the receiver's model equals the sender's snapshot bit for bit (every dtype, shape, container)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from .. import profiles
+from ..context import Context
+from ..guarantees import capability, guarantee
+from ..models import KINDS, ModelSpec, TensorSpec, fill, many_spec, random_values, rich_spec
+from ..strategies import model_specs, seeds, value_styles
+from .base import thorough
+
+__all__ = ["ExactChecks"]
+
+
+class ExactChecks:
+    """The exact tests (a mixin of ``TransportSuite``)."""
+
+    @guarantee("exact")
+    @pytest.mark.parametrize("kind", KINDS)
+    def test_exact_every_dtype_and_shape(self, wsync: Context, kind: str) -> None:
+        """Random bits, extremes, 0-d, empty, large, transposed/strided/shared/tied sources,
+        parameters and buffers, as a module, TensorDict and state_dict: equal bit for bit."""
+        s = wsync.session(rich_spec(kind, self.large_mib))
+        s.check(0)
+
+        @profiles.scaled(0.6)
+        @given(seed=seeds(), styles=value_styles(s.spec))
+        def run(seed: int, styles: dict[str, str]) -> None:
+            s.fill(random_values(s.spec, seed, styles))
+            s.check(s.send())
+
+        run()
+
+    @guarantee("exact")
+    def test_exact_drawn_structures(self, wsync: Context) -> None:
+        """Hypothesis-drawn nested structures (kinds, dtypes, shapes, sources, ties)."""
+        workers = wsync.workers(2)
+
+        @profiles.scaled(0.5 if wsync.process else 1.5, at_least=2)
+        @given(spec=model_specs(large=True), seed=seeds(), styles=st.data())
+        def run(spec: ModelSpec, seed: int, styles) -> None:
+            s = wsync.session(spec, workers=workers, connect=False)
+            try:
+                s.fill(random_values(spec, seed ^ 1))
+                s.connect()
+                s.check(0)
+                s.fill(random_values(spec, seed, styles.draw(value_styles(spec))))
+                s.check(s.send())
+            finally:
+                s.close()
+
+        run()
+
+    @guarantee("exact")
+    def test_exact_send_weights_views(self, wsync: Context) -> None:
+        """``send(weights=...)`` of transposed views and slices of one storage arrives exactly."""
+        spec = ModelSpec("state_dict", (TensorSpec("a", (6, 4), "float32"), TensorSpec("b", (4, 6), "bfloat16"),
+                                        TensorSpec("c", (5,), "int64"), TensorSpec("d", (5,), "int64")))
+        s = wsync.session(spec)
+        storage = torch.arange(100, dtype=torch.int64)
+        weights = {"a": torch.randn(4, 6).t(), "b": torch.randn(6, 4).to(torch.bfloat16).t(),
+                   "c": storage[10:15], "d": storage[::20]}
+        assert not weights["a"].is_contiguous() and not weights["d"].is_contiguous()
+        s.check(s.send(weights=weights))
+
+    @guarantee("exact")
+    @capability("cuda")
+    def test_exact_cpu_sender_cuda_receivers(self, wsync: Context) -> None:
+        """A CPU trainer syncing CUDA receivers (only with --wsync-device cuda)."""
+        if wsync.device != "cuda":
+            pytest.skip("only with --wsync-device cuda (CPU sender, CUDA receivers)")
+        wsync.sender_device = "cpu"
+        s = wsync.session(rich_spec("module", 1), receiver_device="cuda")
+        s.fill(random_values(s.spec, 7))
+        s.check(s.send())
+
+    @guarantee("exact")
+    @thorough()
+    def test_exact_large_model(self, wsync: Context) -> None:
+        """(--thorough) A 64 MiB model of 200 tensors in every dtype, three versions: exact each time."""
+        s = wsync.session(many_spec("module", 64.0, count=200), n=2)
+        for seed in range(3):
+            s.fill(random_values(s.spec, 4000 + seed))
+            s.send()

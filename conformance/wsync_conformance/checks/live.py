@@ -1,0 +1,137 @@
+"""live: every blocking call honours its timeout; a silent or absent worker is named and the rest go on."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from wsync_core import TransportError, WorkerTimeoutError
+
+from ..context import Context, send_expect_timeout
+from ..guarantees import capability, guarantee, violated
+from ..models import digests, fill_version, many_spec, random_values, version_spec
+from .base import SLACK_S, budget
+
+__all__ = ["LiveChecks"]
+
+
+class LiveChecks:
+    """The live tests (a mixin of ``TransportSuite``)."""
+
+    @guarantee("live")
+    def test_live_silent_worker(self, wsync: Context) -> None:
+        """A silent worker: send() raises WorkerTimeoutError naming exactly it, in time; the
+        others are updated and the scheme keeps working for them."""
+        s = wsync.session(version_spec(), n=3)
+        fill_version(s.model, 1)
+        s.expected[1] = digests(s.model)
+        with s.following([0, 2]):
+            exc, took = send_expect_timeout(s, [1], timeout=wsync.short_timeout)
+        if exc.workers != [1]:
+            raise violated("live", f"WorkerTimeoutError names workers {exc.workers}, expected [1]")
+        if took > wsync.short_timeout + SLACK_S:
+            raise violated("live", f"send(timeout={wsync.short_timeout}) took {took:.1f} s")
+        s.check(1, [0, 2], guarantee="live")
+        if wsync.caps.subset_send:
+            fill_version(s.model, 2)
+            s.check(s.send(worker_ids=[0, 2]), [0, 2], guarantee="live")
+        fill_version(s.model, 3)
+        v = s.send()
+        s.check(v, guarantee="live")
+
+    @guarantee("live")
+    def test_live_receive_and_connect_honour_timeouts(self, wsync: Context) -> None:
+        """receive(timeout) returns None in time when nothing comes; connect() on either side
+        raises by its timeout when the peer never comes."""
+        short = wsync.short_timeout
+        # a sender whose worker 1 never connects
+        s = wsync.session(version_spec(), n=2, connect=False)
+        t0 = time.monotonic()
+        # A transport with a static membership (no late_join: e.g. torch RPC's fixed world) cannot
+        # update anyone until everyone is there; it must still time out, naming the absent worker.
+        partial = wsync.caps.late_join
+        try:
+            s.connect(workers=[0], timeout=short)
+        except WorkerTimeoutError as exc:
+            if exc.workers != [1] and (partial or 1 not in exc.workers):
+                raise violated("live", f"connect() WorkerTimeoutError names {exc.workers}, expected [1]") from exc
+        else:
+            raise violated("live", "sender connect() returned although worker 1 never connected")
+        if time.monotonic() - t0 > short + SLACK_S:
+            raise violated("live", f"connect(timeout={short}) took {time.monotonic() - t0:.1f} s")
+        if partial:
+            s.check(0, [0], guarantee="live")
+            t0 = time.monotonic()
+            reply = s.workers[0].call("receive", timeout=0.5)
+            took = time.monotonic() - t0
+            if reply.error or reply.get("result") is not None:
+                raise violated("live", f"receive(timeout=0.5) with nothing sent gave {reply.error or reply.get('result')}")
+            if took > 0.5 + SLACK_S:
+                raise violated("live", f"receive(timeout=0.5) took {took:.1f} s")
+            if wsync.caps.subset_send:
+                fill_version(s.model, 1)
+                s.check(s.send(worker_ids=[0]), [0], guarantee="live")
+        s.close()
+        # a receiver whose sender never comes
+        (w,) = wsync.workers(1)
+        lonely = wsync.scheme()
+        w.open(lonely, version_spec(), wsync.device, 0)
+        t0 = time.monotonic()
+        reply = w.call("connect", timeout=short)
+        took = time.monotonic() - t0
+        if reply.error not in ("WorkerTimeoutError", "TransportError"):
+            raise violated("live", f"receiver connect(timeout={short}) without a sender gave "
+                                   f"{reply.error or 'success'}, expected WorkerTimeoutError")
+        if took > short + SLACK_S:
+            raise violated("live", f"receiver connect(timeout={short}) took {took:.1f} s")
+
+    @guarantee("live")
+    @capability("late_join")
+    def test_live_restarted_worker_gets_latest(self, wsync: Context) -> None:
+        """A worker that shuts down and comes back gets the latest version at connect (late_join)."""
+        wsync.require("late_join")
+        s = wsync.session(version_spec(), n=2)
+        fill_version(s.model, 1)
+        s.check(s.send())
+        s.workers[1].call("shutdown").raise_for_error("receiver shutdown()")
+        fill_version(s.model, 2)
+        s.expected[2] = digests(s.model)
+        with s.following([0]):
+            exc, _ = send_expect_timeout(s, [1], timeout=wsync.short_timeout)
+        if exc.workers != [1]:
+            raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected [1]")
+        s.workers[1].open(s.scheme, s.spec, wsync.device, 1)
+        reply = s.workers[1].call("connect", timeout=wsync.timeout)
+        reply.raise_for_error("restarted receiver connect()")
+        s.check(2, [1], guarantee="live")
+        fill_version(s.model, 3)
+        s.check(s.send())
+
+    @guarantee("live")
+    @budget(seconds=30, short_timeouts=30)
+    def test_live_silent_worker_stays_connected_under_large_payloads(self, wsync: Context) -> None:
+        """Six >= 4 MiB versions sent to every worker while one never calls receive(): each send
+        names it in WorkerTimeoutError; afterwards it is still connected, gets exactly the newest
+        version when it receives, and the next send to everyone completes."""
+        s = wsync.session(many_spec("state_dict", 4.0), n=3)
+        for step in range(1, 7):
+            s.fill(random_values(s.spec, 2000 + step))
+            s.expected[s.scheme.version + 1] = digests(s.model)
+            with s.following([0, 2]):  # 4 MiB to three workers: a few seconds on a busy machine
+                exc, _ = send_expect_timeout(s, [1], timeout=wsync.short_timeout * 5)
+            if exc.workers != [1]:
+                raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected the silent worker [1]")
+            s.check(s.scheme.version, [0, 2], guarantee="live")
+        latest = s.scheme.version
+        reply = s.workers[1].call("receive", timeout=wsync.timeout)
+        if reply.error:
+            raise violated("live", f"the silent worker's receive() raised {reply.error}: {reply.get('message')}")
+        if reply.get("result") != latest:
+            raise violated("live", f"the silent worker got version {reply.get('result')}, expected the newest ({latest})")
+        s.check(latest, [1], guarantee="live")
+        s.fill(random_values(s.spec, 2100))
+        try:
+            s.send()
+        except WorkerTimeoutError as exc:
+            raise violated("live", f"after six large payloads, a send to every worker timed out for {exc.workers}: "
+                                   f"was the silent worker dropped?") from exc

@@ -1,0 +1,104 @@
+"""safe: nothing received is unpickled; damaged or hostile bytes never damage a model."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from wsync_core import TransportError
+from wsync_core.protocol import MAX_HEADER_BYTES
+
+from .. import resources
+from ..context import Context, raw_receiver
+from ..guarantees import guarantee, violated
+from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
+from ..trust import trusted_runtime, untrusted_unpickling
+
+__all__ = ["SafeChecks"]
+
+
+class SafeChecks:
+    """The safe tests (a mixin of ``TransportSuite``)."""
+
+    @guarantee("safe")
+    def test_safe_nothing_unpickled(self, wsync: Context) -> None:
+        """No ``pickle.find_class`` happens in a receiver while it connects and receives."""
+        s = wsync.session(rich_spec("module", 1), n=2)
+        for seed in range(3):
+            s.fill(random_values(s.spec, seed))
+            s.check(s.send())
+        for i, w in enumerate(s.workers):
+            events = untrusted_unpickling(w.request("audit")["events"], trusted_runtime(wsync.target.cls))
+            if events:
+                raise violated("safe", f"receiver {i} unpickled while receiving: find_class{tuple(events[0])} "
+                                       f"and {len(events) - 1} more")
+
+    @guarantee("safe")
+    def test_safe_hostile_headers(self, wsync: Context) -> None:
+        """Garbage, truncated, pickled, oversized and malformed headers raise TransportError;
+        the model is untouched and the receiver keeps working."""
+        raw, w, before = raw_receiver(wsync)
+        good = raw.header(1)
+        cases = {
+            "empty bytes": b"",
+            "random bytes": bytes(range(256)) * 4,
+            "a pickle": pickle.dumps(print) + pickle.dumps(("unpickled!",)),
+            "truncated JSON": good[: len(good) // 2],
+            "another protocol": b'{"wsync": 99, "v": 1}',
+            "a string version": good.replace(b'"v":1', b'"v":"1"'),
+            "a negative size": good.replace(f'"n":{raw.layout.nbytes}'.encode(), b'"n":-5'),
+        }
+        fill_version(raw.model, 9)
+        for what, header in cases.items():
+            try:
+                raw.publish(header, [0])
+            except (TransportError, ValueError) as exc:
+                raise violated("safe", f"publishing {what} failed on the sender side: {exc}") from exc
+            reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+            if reply.error not in ("TransportError",) and not (reply.error is None and reply.get("result") is None):
+                raise violated("safe", f"a header of {what}: receive() gave {reply.error or reply.get('result')}, "
+                                       f"expected TransportError (or nothing)")
+            if w.snapshot()["digests"] != before:
+                raise violated("safe", f"a header of {what} changed the receiver's model")
+        events = untrusted_unpickling(w.request("audit")["events"], trusted_runtime(wsync.target.cls))
+        if events:
+            raise violated("safe", f"the receiver unpickled hostile bytes: find_class{tuple(events[0])}")
+        fill_version(raw.model, 4)
+        raw.publish(raw.header(5), [0])
+        for _ in range(3):  # a hostile header still in flight may surface first, as TransportError
+            reply = w.call("receive", timeout=wsync.timeout)
+            if reply.error != "TransportError":
+                break
+        if reply.get("result") != 5:
+            raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}: "
+                                   f"{reply.get('message', '')}")
+        # last: an oversized header (a transport may refuse to carry it, or drop the peer that sent it)
+        before = w.snapshot()["digests"]
+        fill_version(raw.model, 11)
+        try:
+            raw.publish(b'{"wsync":1,"pad":"' + b"x" * (MAX_HEADER_BYTES + 16) + b'"}', [0])
+        except (TransportError, ValueError):
+            return
+        reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+        if reply.error not in (None, "TransportError") or reply.get("result") is not None:
+            raise violated("safe", f"an oversized header: receive() gave {reply.error or reply.get('result')}, "
+                                   f"expected TransportError (or nothing)")
+        if w.snapshot()["digests"] != before:
+            raise violated("safe", "an oversized header changed the receiver's model")
+
+    @guarantee("safe")
+    def test_safe_binds_loopback(self, wsync: Context) -> None:
+        """Unless told otherwise, every socket the transport listens on is bound to loopback."""
+        s = wsync.session(version_spec(), n=2)
+        found = resources.listening_sockets()
+        if wsync.process:
+            for w in s.workers:
+                found += w.request("resources")["listening"]
+        public = [a for a in found if not resources.is_loopback(a)]
+        runtime = trusted_runtime(wsync.target.cls)
+        if public and runtime is not None:
+            pytest.skip(f"the sockets listening beyond loopback are the trusted runtime's ({runtime[0]}): "
+                        f"{len(public)} found")
+        if public:
+            raise violated("safe", f"listening on non-loopback addresses by default: {public}")
