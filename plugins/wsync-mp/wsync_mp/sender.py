@@ -32,8 +32,10 @@ __all__ = ["MpSender"]
 
 log = logging.getLogger("wsync.mp")
 
-#: notifications a worker may hold unreleased (the newest unread one and the one it applies)
-_OUTSTANDING = 2
+#: notifications a worker may hold unreleased: the one its model views until it acks a newer one,
+#: the newest unread one, and one more in flight, which the worker's reader answers by releasing
+#: the older unread one; so a worker that stops receiving still always holds the newest version
+_OUTSTANDING = 3
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: events kept for poll(); a worker that floods past this is dropped
 _MAX_EVENTS = 65536
