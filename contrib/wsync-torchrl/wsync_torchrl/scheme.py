@@ -435,17 +435,35 @@ def _process_watch(context: Any):
             proc = procs[w]
             pipe = pipes[w] if w < len(pipes) else None
             report = None
-            if pipe is not None and pipe.poll(0):
+            if pipe is not None and not isinstance(pipe, _Replay) and pipe.poll(0):
                 try:
                     report = pipe.recv()
                 except (EOFError, OSError):
                     report = None
             if isinstance(report, dict) and report.get("error"):
                 dead[w] = report.get("traceback") or f"{report.get('exception_type')}: {report.get('exception_msg')}"
-            elif report is not None:
-                dead[w] = f"sent {report!r} before applying version 0"
+            elif report is not None:  # a message of TorchRL's own ("instantiated"): TorchRL reads it next
+                pipes[w] = _Replay(pipe, report)
             elif not proc.is_alive():
                 dead[w] = f"process {proc.pid} exited with code {proc.exitcode}"
         return dead
 
     return watch
+
+
+class _Replay:
+    """A TorchRL control pipe whose first message the start-up watch already read: it gives that
+    message back first, then is the pipe itself."""
+
+    def __init__(self, pipe: Any, first: Any) -> None:
+        self._pipe = pipe
+        self._first = [first]
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return bool(self._first) or self._pipe.poll(timeout)
+
+    def recv(self) -> Any:
+        return self._first.pop() if self._first else self._pipe.recv()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
