@@ -94,6 +94,6 @@ def test_trusted_runtime_allows_only_its_own_modules() -> None:
               ["rayx", "Evil"], ["builtins", "eval"]]
     assert untrusted_unpickling(events, None) == events
     assert untrusted_unpickling(events, trusted_runtime(OnRay)) == [["rayx", "Evil"], ["builtins", "eval"]]
-    table = format_table({}, "header", ["processes"], trusted_runtime(OnRay))
+    table = format_table({}, "header", ["processes"], trusted=trusted_runtime(OnRay))
     assert table.splitlines()[-1] == "trusted runtime: ray (Ray carries its own references)"
     assert "trusted runtime" not in format_table({}, "header", ["processes"])
