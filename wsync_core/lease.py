@@ -91,13 +91,6 @@ class LeaseBook:
         self._closed = True
         self.drain()
 
-    @property
-    def pending(self) -> int:
-        """How many leases of this book are alive (their memory is still viewed)."""
-        with _lock:
-            return sum(1 for lease in _live if lease.book is self) + sum(
-                1 for leases in _forks.values() for lease in leases if lease.book is self)
-
     def _due(self, lease: _Lease) -> None:
         if os.getpid() != self._pid:
             return  # a forked child never gives back its parent's memory
