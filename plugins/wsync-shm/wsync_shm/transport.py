@@ -141,17 +141,7 @@ class _Sender(SenderEndpoint):
             slot.close()
         self._slots = []
         self._acquired = self._latest = None
-        for conn in list(self._conns.values()):
-            conn.sock.close()
-        self._conns.clear()
-        if self._selector is not None:
-            for key in list(self._selector.get_map().values()):
-                key.fileobj.close()
-            self._selector.close()
-            self._selector = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
             try:
@@ -165,13 +155,8 @@ class _Sender(SenderEndpoint):
                 reaper.kill()
                 reaper.wait()
 
-    def _forget_in_child(self) -> None:
-        """In a forked child: close this process's copies of the sender's socket, pipe and slot
-        descriptors, so the parent's close is not kept waiting and its channel's name is free;
-        unlink nothing, tell no worker, leave the parent's locks and the mappings."""
-        for slot in self._slots:
-            slot.forget_in_child()
-        self._slots = []
+    def _close_sockets(self) -> None:
+        """Close this process's copies of the workers' connections, the selector and the listener."""
         for conn in list(self._conns.values()):
             conn.sock.close()
         self._conns.clear()
@@ -183,6 +168,15 @@ class _Sender(SenderEndpoint):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the sender's socket, pipe and slot
+        descriptors, so the parent's close is not kept waiting and its channel's name is free;
+        unlink nothing, tell no worker, leave the parent's locks and the mappings."""
+        for slot in self._slots:
+            slot.forget_in_child()
+        self._slots = []
+        self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
             reaper.stdin.close()  # (empty: every write is flushed at once)
