@@ -20,11 +20,11 @@ import weakref
 from collections import deque
 
 import torch
-from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core import Deadline, TransportError, WorkerTimeoutError, map_private, populate
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from .wire import (FLAG_FD, MAX_FDS, MAX_SLOTS, NONCE_BYTES, PREFIX, Frame, FrameReader, Kind, encode, mac,
-                   make_socket, map_private, map_slot, sockaddr)
+                   make_socket, map_slot, sockaddr)
 
 __all__ = ["MpReceiver"]
 
@@ -96,7 +96,8 @@ class MpReceiver(ReceiverEndpoint):
         if mapped is None:
             return Delivery(header, _EMPTY, release)
         if index in self.slot_fds:
-            return Delivery(header, map_private(self.slot_fds[index], self.nbytes), release, adoptable=True)
+            payload = map_private(self.slot_fds[index], 0, self.nbytes)
+            return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
         return Delivery(header, mapped[1], release)
 
     def ack(self, data: bytes) -> None:

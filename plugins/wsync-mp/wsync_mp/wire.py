@@ -179,11 +179,3 @@ def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] 
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
     return mm, tensor
-
-
-def map_private(fd: int, nbytes: int) -> torch.Tensor:
-    """A new copy-on-write map of a slot checked by ``map_slot``: reads see the slot, writes stay here."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)  # keeps ``mm`` alive

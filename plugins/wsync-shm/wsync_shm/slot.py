@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from wsync_core import TransportError
+from wsync_core import TransportError, map_private
 
 __all__ = ["Slot", "SHM_DIR", "HEAD"]
 
@@ -83,11 +83,7 @@ class Slot:
     def private_payload(self) -> torch.Tensor:
         """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
         this process. It follows the slot only while this process holds a lock on it."""
-        nbytes = len(self._mm) - HEAD
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        mm = mmap.mmap(self._fd, HEAD + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)  # keeps ``mm`` alive
+        return map_private(self._fd, HEAD, len(self._mm) - HEAD)
 
     # -- generation and locks ---------------------------------------------------------------
     @property
