@@ -41,6 +41,7 @@ class Framing:
             raise ValueError(f"a frame magic has 4 bytes, got {magic!r}")
         self.magic = magic
         self.limits = {int(k): n for k, n in limits.items()}
+        self.kinds = {int(k): k for k in limits}  # a received kind comes back as the caller's own (an IntEnum)
         self.names = {int(k): getattr(k, "name", str(k)) for k in limits}
 
     def encode(self, kind: int, body: bytes = b"", *, arg: int = 0, value: int = 0, flags: int = 0) -> bytes:
@@ -97,4 +98,4 @@ class FrameReader:
             body = bytes(self._buf[:size])
             del self._buf[:size]
             self._need = None
-            yield Frame(kind, flags, arg, value, body)
+            yield Frame(self.framing.kinds[kind], flags, arg, value, body)

@@ -1,8 +1,8 @@
-"""The ``mp`` wire: fixed-size frame prefixes, the HMAC handshake, and sealed memfd slots.
+"""The ``mp`` wire: its frames, the HMAC handshake, and sealed memfd slots.
 
-Every message is a 24-byte prefix (magic, kind, flags, arg, body size, value) and a body of
-at most a few bytes, a header or an ack; each kind has its own size limit, checked before
-anything is allocated. Payload bytes never cross the socket: they live in sealed, anonymous
+Every message is a frame of ``wsync_core.framing`` (a 24-byte prefix: magic, kind, flags, arg,
+body size, value) and a body of at most a few bytes, a header or an ack; each kind has its own
+size limit, checked before anything is allocated. Payload bytes never cross the socket: they live in sealed, anonymous
 memfd *slots* whose descriptors travel once per receiver (SCM_RIGHTS) and that receivers map
 read-only. Nothing here is ever unpickled.
 """
@@ -18,20 +18,18 @@ import os
 import socket
 import struct
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from wsync_core import TransportError
+from wsync_core.framing import Framing
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
-    "Kind", "Frame", "FrameReader", "encode", "PREFIX", "NONCE_BYTES", "MAX_FDS",
+    "Kind", "FRAMING", "NONCE_BYTES", "MAX_FDS",
     "mac", "make_socket", "sockaddr", "Slot", "map_slot",
 ]
 
 MAGIC = b"WSMP"
-PREFIX = struct.Struct("<4sBBxxIIQ")  # magic, kind, flags, arg, body size, value
 NONCE_BYTES = 32
 #: descriptors a receiver accepts in one read (one per new slot in a notify)
 MAX_FDS = 4
@@ -60,58 +58,7 @@ _LIMITS = {
 }
 
 
-@dataclass(frozen=True)
-class Frame:
-    kind: Kind
-    flags: int
-    arg: int
-    value: int
-    body: bytes
-
-
-def encode(kind: Kind, body: bytes = b"", *, arg: int = 0, value: int = 0, flags: int = 0) -> bytes:
-    """One frame's bytes."""
-    return PREFIX.pack(MAGIC, kind, flags, arg, len(body), value) + body
-
-
-class FrameReader:
-    """Splits a byte stream into frames, refusing unknown kinds and oversized bodies before buffering them.
-
-    ``accept`` and ``peer`` may change between frames (``feed`` parses lazily).
-    """
-
-    def __init__(self, accept: frozenset[Kind], peer: str) -> None:
-        self.accept = accept
-        self.peer = peer
-        self._buf = bytearray()
-        self._need: tuple[int, int, int, int, int] | None = None  # kind, flags, arg, size, value
-
-    def feed(self, data: bytes) -> Iterator[Frame]:
-        """The frames completed by ``data``, one at a time; raises TransportError on a malformed stream."""
-        self._buf += data
-        while True:
-            if self._need is None:
-                if len(self._buf) < PREFIX.size:
-                    return
-                magic, kind, flags, arg, size, value = PREFIX.unpack_from(self._buf)
-                if magic != MAGIC:
-                    raise TransportError(f"{self.peer} sent a frame starting {bytes(self._buf[:4])!r}, "
-                                         f"expected the wsync-mp magic {MAGIC!r}")
-                if kind not in self.accept:
-                    raise TransportError(f"{self.peer} sent a frame of kind {kind}, expected one of "
-                                         f"{sorted(k.name for k in self.accept)}")
-                if size > _LIMITS[Kind(kind)]:
-                    raise TransportError(f"{self.peer} sent a {Kind(kind).name} frame of {size} bytes, "
-                                         f"the limit is {_LIMITS[Kind(kind)]}")
-                del self._buf[:PREFIX.size]
-                self._need = (kind, flags, arg, size, value)
-            kind, flags, arg, size, value = self._need
-            if len(self._buf) < size:
-                return
-            body = bytes(self._buf[:size])
-            del self._buf[:size]
-            self._need = None
-            yield Frame(Kind(kind), flags, arg, value, body)
+FRAMING = Framing(MAGIC, _LIMITS)
 
 
 def mac(authkey: bytes, role: bytes, nonce: bytes) -> bytes:
