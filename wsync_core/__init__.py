@@ -23,7 +23,6 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .layout import Layout
-from .memory import map_private, populate
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .registry import TransportInfo, get_transport, list_transports
 from .report import SendReport
@@ -89,6 +88,4 @@ __all__ = [
     "Buffer",
     "StreamSender",
     "StreamReceiver",
-    "map_private",
-    "populate",
 ]

@@ -20,7 +20,8 @@ import weakref
 from collections import deque
 
 import torch
-from wsync_core import Deadline, TransportError, WorkerTimeoutError, map_private, populate
+from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core.memory import map_private, populate
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from wsync_core.framing import PREFIX, Frame

@@ -26,7 +26,9 @@ from wsync_core import Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
-from .wire import FLAG_FD, FRAMING, NONCE_BYTES, Kind, Slot, mac, make_socket, sockaddr
+from wsync_core.memory import Slot
+
+from .wire import FLAG_FD, FRAMING, NONCE_BYTES, Kind, mac, make_socket, sockaddr
 
 __all__ = ["MpSender"]
 
@@ -105,14 +107,11 @@ class MpSender(SenderEndpoint):
             while True:
                 busy = {s for c in self.conns.values() for s in (*c.held, *c.pinned)}
                 busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
-                for slot in self.slots:
-                    if slot.index != self.latest and slot.index not in busy:
+                for index, slot in enumerate(self.slots):
+                    if index != self.latest and index not in busy:
                         return slot.tensor
                 if len(self.slots) < self.max_slots:
-                    try:
-                        self.slots.append(Slot(len(self.slots), self.nbytes))
-                    except OSError as exc:
-                        raise TransportError(f"mp: cannot create a payload slot of {self.nbytes} bytes: {exc}") from None
+                    self.slots.append(Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes))
                     return self.slots[-1].tensor
                 if deadline.expired():
                     holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
@@ -122,8 +121,7 @@ class MpSender(SenderEndpoint):
                 self.cond.wait(deadline.slice(1.0))
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        index = next((s.index for s in self.slots if s.tensor is not None
-                      and s.tensor.data_ptr() == buffer.data_ptr()), None)
+        index = next((i for i, s in enumerate(self.slots) if s.tensor is buffer), None)
         if index is None:
             raise TransportError("mp: publish() got a buffer that acquire() did not return")
         if len(header) > MAX_HEADER_BYTES:

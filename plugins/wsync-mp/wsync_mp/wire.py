@@ -16,17 +16,16 @@ import hmac
 import mmap
 import os
 import socket
-import struct
-import warnings
 
 import torch
 from wsync_core import TransportError
 from wsync_core.framing import Framing
+from wsync_core.memory import SEALS, map_shared
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
     "Kind", "FRAMING", "NONCE_BYTES", "MAX_FDS",
-    "mac", "make_socket", "sockaddr", "Slot", "map_slot",
+    "mac", "make_socket", "sockaddr", "map_slot",
 ]
 
 MAGIC = b"WSMP"
@@ -36,8 +35,6 @@ MAX_FDS = 4
 #: at most this many slots per sender (a receiver refuses higher indices)
 MAX_SLOTS = 1024
 FLAG_FD = 1
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Kind(enum.IntEnum):
@@ -76,36 +73,6 @@ def make_socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
-class Slot:
-    """A sender's payload buffer: a sealed anonymous memfd of ``size`` bytes, mapped read-write."""
-
-    def __init__(self, index: int, nbytes: int) -> None:
-        self.index = index
-        self.nbytes = nbytes
-        size = max(nbytes, 1)  # an empty file cannot be mapped
-        self.fd = os.memfd_create(f"wsync-mp-slot{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
-
-    def close(self) -> None:
-        """Close the descriptor and unmap (the mapping outlives this while the core still holds the tensor)."""
-        if self.fd < 0:
-            return
-        os.close(self.fd)
-        self.fd = -1
-        self.tensor = None
-        try:
-            self._map.close()
-        except BufferError:  # the core still holds a view; the mapping goes with the last one
-            pass
-
-
 def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] | None:
     """Map a received slot read-only; None if its size is not this receiver's ``nbytes``.
 
@@ -117,12 +84,8 @@ def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] 
         size = os.fstat(fd).st_size
     except OSError as exc:
         raise TransportError(f"{peer} passed a descriptor that is not a sealed memfd: {exc}") from None
-    if seals & _SEALS != _SEALS:
+    if seals & SEALS != SEALS:
         raise TransportError(f"{peer} passed a memfd without shrink/grow seals (seals {seals:#x})")
     if size != max(nbytes, 1):
         return None
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-    with warnings.catch_warnings():  # read-only on purpose: a receiver cannot write the sender's slot
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
-    return mm, tensor
+    return map_shared(fd, size, nbytes=nbytes)

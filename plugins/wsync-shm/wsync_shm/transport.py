@@ -50,9 +50,9 @@ from wsync_core import (
     Transport,
     TransportError,
     WorkerTimeoutError,
-    populate,
     zero_copy_for,
 )
+from wsync_core.memory import populate
 from wsync_core.transport import Event
 
 from . import wire
