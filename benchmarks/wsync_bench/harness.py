@@ -116,7 +116,7 @@ class Row:
     @property
     def gib_per_s(self) -> float | None:
         m = self.median_s
-        return self.nbytes / m / 2**30 if m else None
+        return self.nbytes / m / 2**30 if m and self.system != "unix" else None  # the unix floor moves 16 bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -579,6 +579,10 @@ def tcp_floor(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
+#: the unix floor is measured at model sizes up to this one, where a control round trip matters
+UNIX_FLOOR_MAX_BYTES = 1 << 20
+
+
 def unix_floor(workers: int, repeat: int) -> list[float]:
     """Seconds for a 16-byte message to each of ``workers`` processes over Unix sockets and a
     one-byte answer from each: the control round trip a transport between processes on one host
@@ -709,15 +713,16 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         raise ValueError(f"workers and repeat must be >= 1, got {config.workers} and {config.repeat}")
     systems = _systems(config)
     network = any(kind == "wsync" and _network(s) for s, kind in systems)
-    floors = ["memcpy", "unix"] + (["tcp"] if network else [])
+    floors = ["memcpy"] + (["tcp"] if network else [])
     bar = _Progress(len(config.sizes) * (len(floors) + len(systems)), progress)
     rows: list[Row] = []
     try:
         for nbytes in config.sizes:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
+            here = floors + (["unix"] if nbytes <= UNIX_FLOOR_MAX_BYTES else [])
             floor_rows = [Row(name, "floor", nbytes, config.workers if name == "unix" else None,
                               threads=SENDER_THREADS if name == "memcpy" else None)
-                          for name in floors]
+                          for name in here]
             rows += floor_rows
             for row in floor_rows:  # half the floor's samples before the systems ...
                 bar.step(f"{row.system} {format_size(nbytes)}")
@@ -745,7 +750,7 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         bar.close()
     floor = {r.nbytes: r.median_s for r in rows if r.system == "memcpy"}
     for r in rows:
-        if r.median_s and floor.get(r.nbytes):
+        if r.median_s and floor.get(r.nbytes) and r.system != "unix":
             r.x_memcpy = r.median_s / floor[r.nbytes]
     return Report(config, machine_info(), rows)
 
