@@ -20,14 +20,3 @@ class TestRay(TransportSuite):
         (``ray start --head`` and ``ray start --address`` in two network namespaces)."""
         pytest.skip("proved by contrib/wsync-ray/tests/test_two_nodes.py on a two-node Ray cluster across "
                     "network namespaces")
-
-    # the two checks the suite gained after this transport was written; known to fail for ray (open)
-    @pytest.mark.xfail(strict=False, reason="ray reports Left only for receivers in actors; the endpoint "
-                                            "test's receiver is a plain process")
-    def test_endpoint_joined_acked_left(self, wsync) -> None:
-        super().test_endpoint_joined_acked_left(wsync)
-
-    @pytest.mark.xfail(strict=False, reason="a silent ray receiver does not yet get exactly the newest version "
-                                            "at its next receive()")
-    def test_live_silent_worker_stays_connected_under_large_payloads(self, wsync) -> None:
-        super().test_live_silent_worker_stays_connected_under_large_payloads(wsync)

@@ -48,6 +48,9 @@ log = logging.getLogger("wsync.ray")
 LONG_POLL_S = 5.0
 #: longest a wait goes without checking whether the scheme is shutting down (``wake``)
 WAKE_SLICE_S = 0.05
+#: how long a receive whose deadline has passed still waits for the mailbox to say whether a
+#: delivery it answered earlier is still the newest
+RECHECK_GRACE_S = 0.05
 _mailbox_class: Any = None
 
 
@@ -234,6 +237,7 @@ class RayReceiver(ReceiverEndpoint):
         self.token = uuid.uuid4().hex
         self.mailbox: Any = None
         self.pending: Any = None  # a take not yet answered
+        self.candidate: tuple[bytes, Any] | None = None  # a possibly stale delivery, kept until none is newer
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
         self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
         self.delivered = False  # the last recv returned a delivery
@@ -253,7 +257,9 @@ class RayReceiver(ReceiverEndpoint):
                 time.sleep(deadline.slice(delay))
                 delay = min(2 * delay, 0.2)
         context = ray.get_runtime_context()
-        watch = [context.current_actor] if context.get_actor_id() is not None else []
+        # how the mailbox sees this process die: through its actor, else its Ray worker's record
+        watch = ["actor", context.current_actor] if context.get_actor_id() is not None else \
+            ["worker", context.get_worker_id()]
         hello = mailbox.hello.remote(self.worker, self.token, watch)
         try:
             ready, _ = ray.wait([hello], timeout=_timeout(deadline))
@@ -278,6 +284,10 @@ class RayReceiver(ReceiverEndpoint):
                 self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             return None
         self.delivered = False
+        # a take answered before this call began may be stale: the worker was not reading while
+        # newer versions replaced it in the mailbox. Such a delivery is only a candidate until a
+        # take that does not wait says nothing newer is there (the newest wins, never a queued one)
+        suspect = self.pending is not None and bool(ray.wait([self.pending], timeout=0, fetch_local=False)[0])
         while True:
             if self.fetching is not None:
                 header, ref = self.fetching
@@ -293,11 +303,21 @@ class RayReceiver(ReceiverEndpoint):
                 self.delivered = True
                 return self._delivery(header, ref, value)
             if self.pending is None:
-                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
-            try:
-                reply = _get(self.pending, deadline, self.woken)
-            except (GetTimeoutError, _Woken):
+                self.pending = self.mailbox.take.remote(self.worker, self.token,
+                                                        0.0 if self.candidate is not None else LONG_POLL_S)
+            rechecking = self.candidate is not None
+            try:  # a recheck may overrun a short deadline by RECHECK_GRACE_S: it is one quick call
+                reply = _get(self.pending, Deadline(max(deadline.remaining(), RECHECK_GRACE_S)) if rechecking
+                             else deadline, self.woken)
+            except _Woken:
                 return None
+            except GetTimeoutError:
+                if not rechecking:
+                    return None
+                # no answer in time: the candidate is the newest this receiver knows of; the recheck
+                # stays pending and is looked at by the next call
+                self.fetching, self.candidate = self.candidate, None
+                continue
             except RayActorError as exc:
                 self.pending = None
                 raise _ray_failed(f"worker {self.worker}: the ray sender on channel {self.channel!r} is gone",
@@ -308,14 +328,19 @@ class RayReceiver(ReceiverEndpoint):
             self.pending = None
             kind = reply[0] if isinstance(reply, list) and reply else None
             if kind == "none":
-                if deadline.expired():
+                if self.candidate is not None:  # nothing newer than the candidate: it is the newest
+                    self.fetching, self.candidate = self.candidate, None
+                elif deadline.expired():
                     return None
             elif kind == "data" and len(reply) == 4 and isinstance(reply[2], bytes) and isinstance(reply[3], list) \
                     and len(reply[3]) == 1 and isinstance(reply[3][0], ray.ObjectRef):
                 if len(reply[2]) > MAX_HEADER_BYTES:
                     raise TransportError(f"worker {self.worker}: a header of {len(reply[2])} bytes exceeds "
                                          f"{MAX_HEADER_BYTES}")
-                self.fetching = (reply[2], reply[3][0])
+                if suspect:  # ask once for anything newer; this one is dropped if there is
+                    suspect, self.candidate = False, (reply[2], reply[3][0])
+                else:
+                    self.fetching, self.candidate = (reply[2], reply[3][0]), None
             elif kind == "closed":
                 raise TransportError(f"worker {self.worker}: the ray sender on channel {self.channel!r} shut down")
             elif kind == "gone":
@@ -353,7 +378,7 @@ class RayReceiver(ReceiverEndpoint):
 
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
-        self.pending = self.fetching = None
+        self.pending = self.fetching = self.candidate = None
         if mailbox is None:
             return
         try:  # after this worker's acks (Ray runs one caller's calls in order): the sender reads them first

@@ -5,8 +5,10 @@ object store, where the sender put them).
 It keeps, per worker, the newest delivery not yet taken (a take removes it, so the mailbox never
 holds a version a worker already has), the token of the receiver now serving that worker (a
 restarted receiver replaces it; calls with an older token are refused), and the events the
-sender has not collected yet. A receiver that runs inside a Ray actor is watched: when the actor
-dies the sender gets ``left`` at once instead of waiting out its timeout.
+sender has not collected yet. Every receiver's process is watched, so that when it dies the
+sender gets ``left`` within a second instead of waiting out its timeout: a receiver inside a Ray
+actor through its actor handle, any other (a driver, or a task's worker) through the GCS's record
+of its Ray worker, which Ray marks dead once the process is gone (or its node is).
 """
 
 from __future__ import annotations
@@ -15,11 +17,22 @@ import asyncio
 import contextlib
 from typing import Any
 
-__all__ = ["Mailbox", "WATCH_INTERVAL_S"]
+__all__ = ["Mailbox", "WATCH_INTERVAL_S", "worker_alive"]
 
-#: seconds between two liveness probes of a receiver's actor (a probe queues behind whatever the
-#: actor runs, so a busy actor costs nothing; a dead one fails the probe at once)
+#: seconds between two liveness probes of a receiver's process (an actor's probe queues behind
+#: whatever the actor runs, so a busy actor costs nothing; a dead one fails the probe at once)
 WATCH_INTERVAL_S = 0.5
+
+
+def worker_alive(worker_id: str) -> bool:
+    """False once the GCS records Ray worker ``worker_id`` (hex; a driver's or a task worker's) as
+    dead; True while it lives or has no record yet. Raises ValueError for a malformed id."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    info = state._connect_and_get_accessor().get_worker_info(ray.WorkerID(bytes.fromhex(worker_id)))
+    return info is None or gcs_pb2.WorkerTableData.FromString(info).is_alive
 
 
 class Mailbox:
@@ -50,8 +63,9 @@ class Mailbox:
         self._condition().notify_all()
 
     async def hello(self, worker: int, token: str, watch: list[Any]) -> bool:
-        """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` holds its
-        actor handle, or nothing. False if the sender has shut down."""
+        """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
+        see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing. False
+        if the sender has shut down."""
         cond = self._condition()
         async with cond:
             if self._closed:
@@ -61,24 +75,47 @@ class Mailbox:
             old = self._watches.pop(worker, None)
             if old is not None:
                 old.cancel()
-            if watch:
-                self._watches[worker] = asyncio.get_running_loop().create_task(self._watch(worker, token, watch[0]))
+            if len(watch) == 2 and watch[0] in ("actor", "worker"):
+                probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
+                self._watches[worker] = asyncio.get_running_loop().create_task(
+                    self._watch(worker, token, probe, watch[1]))
             self._events.append(["join", worker])
             cond.notify_all()
         return True
 
-    async def _watch(self, worker: int, token: str, actor: Any) -> None:
-        from ray.exceptions import RayActorError
-
+    async def _watch(self, worker: int, token: str, probe: Any, what: Any) -> None:
+        """Probe ``what`` every WATCH_INTERVAL_S until it is found dead; then drop ``worker`` if
+        ``token`` still serves it."""
         while True:
-            try:
-                await actor.__ray_ready__.remote()
-            except RayActorError as exc:
+            reason = await probe(what)
+            if reason is not None:
                 async with self._condition():
                     if self._members.get(worker) == token:
-                        self._drop(worker, f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+                        self._drop(worker, reason)
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    @staticmethod
+    async def _probe_actor(actor: Any) -> str | None:
+        from ray.exceptions import RayActorError
+
+        try:
+            await actor.__ray_ready__.remote()
+        except RayActorError as exc:
+            return f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        return None
+
+    @staticmethod
+    async def _probe_worker(worker_id: Any) -> str | None:
+        from ray.exceptions import RayError
+
+        if not isinstance(worker_id, str):
+            return None
+        try:  # one small GCS call, off the event loop; a failed one is retried at the next probe
+            alive = await asyncio.to_thread(worker_alive, worker_id)
+        except (ValueError, RayError):
+            return None
+        return None if alive else f"its process (Ray worker {worker_id[:12]}...) died"
 
     async def bye(self, worker: int, token: str) -> None:
         """Receiver ``token`` shut down."""
