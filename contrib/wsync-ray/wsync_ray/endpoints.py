@@ -51,6 +51,8 @@ WAKE_SLICE_S = 0.05
 #: how long a receive whose deadline has passed still waits for the mailbox to say whether a
 #: delivery it answered earlier is still the newest
 RECHECK_GRACE_S = 0.05
+#: how many events long-polls the sender keeps at the mailbox at once
+EVENT_POLLS = 2
 _mailbox_class: Any = None
 
 
@@ -94,6 +96,21 @@ def _get(ref: Any, deadline: Deadline, woken: threading.Event) -> Any:
                 raise
 
 
+def _wait_any(refs: list[Any], deadline: Deadline, woken: threading.Event) -> list[Any]:
+    """Those of ``refs`` that are ready, waiting for one by ``deadline``, in slices of
+    ``WAKE_SLICE_S`` so that ``woken`` ends the wait at once. Raises GetTimeoutError at the
+    deadline, _Woken once woken."""
+    while True:
+        if woken.is_set():
+            raise _Woken
+        done, _ = ray.wait(refs, num_returns=1, timeout=deadline.slice(WAKE_SLICE_S), fetch_local=True)
+        if done:
+            more, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            return more or done
+        if deadline.expired():
+            raise GetTimeoutError("nothing came by the deadline")
+
+
 def _ray_failed(what: str, exc: BaseException) -> TransportError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return TransportError(f"{what}: {type(exc).__name__}: {first}")
@@ -111,7 +128,9 @@ class RaySender(SenderEndpoint):
         self.latest = -1  # the slot published last
         self.seq = 0
         self.mailbox: Any = None
-        self.pending_events: Any = None
+        self.pending_events: list[Any] = []  # events long-polls not yet answered
+        self.batches: dict[int, list[Any]] = {}  # event batches answered ahead of an earlier one
+        self.next_batch = 0  # the number of the next batch to hand on
         self.posts: list[Any] = []
         self.woken = threading.Event()
 
@@ -159,17 +178,30 @@ class RaySender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         while True:
             self._check_posts()
-            if self.pending_events is None:
-                self.pending_events = self.mailbox.events.remote(LONG_POLL_S)
+            # EVENT_POLLS long-polls stay at the mailbox: while the answer to one travels here, the
+            # next already waits there, so later acks do not wait for a new call to arrive. The
+            # mailbox numbers its batches; they are handed on in that order, whichever answer comes first
+            while len(self.pending_events) < EVENT_POLLS:
+                self.pending_events.append(self.mailbox.events.remote(LONG_POLL_S))
             try:
-                batch = _get(self.pending_events, deadline, self.woken)
+                done = _wait_any(self.pending_events, deadline, self.woken)
+                self.pending_events = [r for r in self.pending_events if r not in done]
+                for reply in ray.get(done):
+                    if isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], int) and \
+                            isinstance(reply[1], list):
+                        if reply[0] >= self.next_batch:
+                            self.batches[reply[0]] = reply[1]
+                    else:
+                        log.warning("ray transport: ignoring a malformed events reply %.200r", reply)
             except (GetTimeoutError, _Woken):
                 return []
             except RayError as exc:
-                self.pending_events = None
+                self.pending_events = []
                 raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
-            self.pending_events = None
-            events = [e for e in map(_event, batch) if e is not None]
+            events: list[Event] = []
+            while self.next_batch in self.batches:
+                events += [e for e in map(_event, self.batches.pop(self.next_batch)) if e is not None]
+                self.next_batch += 1
             if events or deadline.expired():
                 return events
 
@@ -179,7 +211,7 @@ class RaySender(SenderEndpoint):
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
         self.refs.clear()
-        self.slots, self.posts, self.pending_events = [], [], None
+        self.slots, self.posts, self.pending_events = [], [], []
         if mailbox is None:
             return
         try:  # waiting receivers hear that the sender is gone, then the actor goes
@@ -277,11 +309,9 @@ class RayReceiver(ReceiverEndpoint):
             return None
         if self.delivered and deadline.expired():
             # the core's "anything newer?" right after a delivery: the mailbox keeps only the newest
-            # per worker and that was just taken, so do not wait for its answer; but re-arm the
-            # long-poll, so that what arrives next is here for a receive(timeout=0)
+            # per worker and that was just taken, so do not wait for its answer. The long-poll is
+            # re-armed by the ack that follows (one call for both), or by the next recv
             self.delivered = False
-            if self.pending is None:
-                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             return None
         self.delivered = False
         # a take answered before this call began may be stale: the worker was not reading while
@@ -374,7 +404,10 @@ class RayReceiver(ReceiverEndpoint):
     def ack(self, data: bytes) -> None:
         if len(data) > MAX_ACK_BYTES:
             raise TransportError(f"ack of {len(data)} bytes exceeds {MAX_ACK_BYTES}")
-        self.mailbox.ack.remote(self.worker, self.token, bytes(data))
+        if self.pending is None:  # the ack also re-arms the long-poll: what arrives next is here sooner
+            self.pending = self.mailbox.ack.remote(self.worker, self.token, bytes(data), LONG_POLL_S)
+        else:
+            self.mailbox.ack.remote(self.worker, self.token, bytes(data))
 
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None

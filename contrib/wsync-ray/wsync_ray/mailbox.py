@@ -45,6 +45,7 @@ class Mailbox:
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
         self._events: list[list[Any]] = []  # ["join", w] | ["ack", w, data] | ["left", w, reason]
         self._watches: dict[int, asyncio.Task] = {}
+        self._batches = 0  # event batches handed out
         self._closed = False
 
     def _condition(self) -> asyncio.Condition:
@@ -153,23 +154,30 @@ class Mailbox:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(cond.wait(), left)
 
-    async def ack(self, worker: int, token: str, data: bytes) -> None:
-        """Receiver ``token`` acks ``data`` (dropped if another receiver serves ``worker`` now)."""
+    async def ack(self, worker: int, token: str, data: bytes, take_s: float | None = None) -> list[Any] | None:
+        """Receiver ``token`` acks ``data`` (dropped if another receiver serves ``worker`` now); with
+        ``take_s``, then takes as ``take(worker, token, take_s)`` does and returns its answer."""
         cond = self._condition()
         async with cond:
             if self._members.get(worker) == token:
                 self._events.append(["ack", worker, data])
                 cond.notify_all()
+        return None if take_s is None else await self.take(worker, token, take_s)
 
-    async def events(self, wait_s: float) -> list[list[Any]]:
-        """The events since the last call, waiting up to ``wait_s`` seconds for one."""
+    async def events(self, wait_s: float) -> list[Any]:
+        """``[n, events]``: the events since the last call, waiting up to ``wait_s`` seconds for one;
+        ``n`` numbers the non-empty batches from 0 (the sender keeps several calls waiting and
+        hands the batches on in that order), -1 for an empty one."""
         cond = self._condition()
         async with cond:
             if not self._events and not self._closed:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(cond.wait_for(lambda: self._events or self._closed), max(0.0, wait_s))
             out, self._events = self._events, []
-        return out
+            if not out:
+                return [-1, out]
+            self._batches += 1
+            return [self._batches - 1, out]
 
     async def close(self) -> None:
         """The sender shuts down: every waiting receiver hears so, every reference is dropped."""
