@@ -52,7 +52,7 @@ WAKE_SLICE_S = 0.05
 #: delivery it answered earlier is still the newest
 RECHECK_GRACE_S = 0.05
 #: how many events long-polls the sender keeps at the mailbox at once
-EVENT_POLLS = 2
+EVENT_POLLS = 4
 _mailbox_class: Any = None
 
 
