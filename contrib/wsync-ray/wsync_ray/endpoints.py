@@ -128,9 +128,8 @@ class RaySender(SenderEndpoint):
         self.latest = -1  # the slot published last
         self.seq = 0
         self.mailbox: Any = None
-        self.pending_events: list[Any] = []  # events long-polls not yet answered
-        self.batches: dict[int, list[Any]] = {}  # event batches answered ahead of an earlier one
-        self.next_batch = 0  # the number of the next batch to hand on
+        self.pending_events: list[tuple[int, Any]] = []  # events long-polls waiting: (event awaited, ref)
+        self.seen = -1  # the number of the last event handed on
         self.posts: list[Any] = []
         self.woken = threading.Event()
 
@@ -178,30 +177,32 @@ class RaySender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         while True:
             self._check_posts()
-            # EVENT_POLLS long-polls stay at the mailbox: while the answer to one travels here, the
-            # next already waits there, so later acks do not wait for a new call to arrive. The
-            # mailbox numbers its batches; they are handed on in that order, whichever answer comes first
-            while len(self.pending_events) < EVENT_POLLS:
-                self.pending_events.append(self.mailbox.events.remote(LONG_POLL_S))
+            # EVENT_POLLS long-polls wait at the mailbox, for the next EVENT_POLLS events, so each new
+            # event answers one at once (none waits for the sender's next call to arrive); events
+            # are numbered, so each is handed on once and in order whichever answer brings it
+            waiting = {need for need, _ in self.pending_events}
+            for need in range(self.seen + 1, self.seen + 1 + EVENT_POLLS):
+                if need not in waiting:
+                    self.pending_events.append((need, self.mailbox.events.remote(self.seen, need, LONG_POLL_S)))
             try:
-                done = _wait_any(self.pending_events, deadline, self.woken)
-                self.pending_events = [r for r in self.pending_events if r not in done]
-                for reply in ray.get(done):
-                    if isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], int) and \
-                            isinstance(reply[1], list):
-                        if reply[0] >= self.next_batch:
-                            self.batches[reply[0]] = reply[1]
-                    else:
-                        log.warning("ray transport: ignoring a malformed events reply %.200r", reply)
+                done = _wait_any([ref for _, ref in self.pending_events], deadline, self.woken)
+                self.pending_events = [(n, r) for n, r in self.pending_events if r not in done]
+                replies = ray.get(done)
             except (GetTimeoutError, _Woken):
                 return []
             except RayError as exc:
                 self.pending_events = []
                 raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
+            numbered = sorted({item[0]: item[1] for reply in replies if isinstance(reply, list) for item in reply
+                               if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                               and item[0] > self.seen}.items())
             events: list[Event] = []
-            while self.next_batch in self.batches:
-                events += [e for e in map(_event, self.batches.pop(self.next_batch)) if e is not None]
-                self.next_batch += 1
+            for n, item in numbered:
+                if n != self.seen + 1:  # a gap: the next answer brings it, with what follows
+                    break
+                self.seen = n
+                if (event := _event(item)) is not None:
+                    events.append(event)
             if events or deadline.expired():
                 return events
 

@@ -43,9 +43,10 @@ class Mailbox:
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
-        self._events: list[list[Any]] = []  # ["join", w] | ["ack", w, data] | ["left", w, reason]
+        # [seq, event] not yet confirmed by the sender; event: ["join", w] | ["ack", w, data] | ["left", w, reason]
+        self._events: list[list[Any]] = []
+        self._seq = 0  # the number of the next event
         self._watches: dict[int, asyncio.Task] = {}
-        self._batches = 0  # event batches handed out
         self._closed = False
 
     def _condition(self) -> asyncio.Condition:
@@ -60,7 +61,12 @@ class Mailbox:
         watch = self._watches.pop(worker, None)
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()
-        self._events.append(["left", worker, reason])
+        self._event(["left", worker, reason])
+
+    def _event(self, event: list[Any]) -> None:
+        """Log ``event`` under the next number for the sender (caller holds the condition)."""
+        self._events.append([self._seq, event])
+        self._seq += 1
         self._condition().notify_all()
 
     async def hello(self, worker: int, token: str, watch: list[Any]) -> bool:
@@ -80,8 +86,7 @@ class Mailbox:
                 probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
                 self._watches[worker] = asyncio.get_running_loop().create_task(
                     self._watch(worker, token, probe, watch[1]))
-            self._events.append(["join", worker])
-            cond.notify_all()
+            self._event(["join", worker])
         return True
 
     async def _watch(self, worker: int, token: str, probe: Any, what: Any) -> None:
@@ -160,24 +165,22 @@ class Mailbox:
         cond = self._condition()
         async with cond:
             if self._members.get(worker) == token:
-                self._events.append(["ack", worker, data])
-                cond.notify_all()
+                self._event(["ack", worker, data])
         return None if take_s is None else await self.take(worker, token, take_s)
 
-    async def events(self, wait_s: float) -> list[Any]:
-        """``[n, events]``: the events since the last call, waiting up to ``wait_s`` seconds for one;
-        ``n`` numbers the non-empty batches from 0 (the sender keeps several calls waiting and
-        hands the batches on in that order), -1 for an empty one."""
+    async def events(self, seen: int, need: int, wait_s: float) -> list[list[Any]]:
+        """``[[n, event], ...]``: the logged events numbered above ``seen``, once one numbered
+        ``need`` or above is there (or after ``wait_s`` seconds, or once closed). The sender keeps
+        several calls waiting, each with its own ``need``, so that each new event answers one of
+        them at once; the events up to ``seen`` (which it has) are forgotten. An answer lost on
+        the way costs nothing: the next call hands its events on again."""
         cond = self._condition()
         async with cond:
-            if not self._events and not self._closed:
+            self._events = [e for e in self._events if e[0] > seen]
+            if self._seq <= need and not self._closed:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(cond.wait_for(lambda: self._events or self._closed), max(0.0, wait_s))
-            out, self._events = self._events, []
-            if not out:
-                return [-1, out]
-            self._batches += 1
-            return [self._batches - 1, out]
+                    await asyncio.wait_for(cond.wait_for(lambda: self._seq > need or self._closed), max(0.0, wait_s))
+            return [e for e in self._events if e[0] > seen]
 
     async def close(self) -> None:
         """The sender shuts down: every waiting receiver hears so, every reference is dropped."""
