@@ -21,7 +21,8 @@ collectors), holding the same float32 module (``wsync_bench.harness.build_model`
   systems, half after.
 
 Each row: p50 and p99 of ``--repeat`` timed rounds after 6 warm-ups (with 20 rounds, p99 is
-close to the slowest), and the ratio of p50s to the floor. Six warm-ups, for every system: the
+close to the slowest), and the ratio of p50s to the floor. Before each round the trainer's
+weights change (a ``fill_`` standing for a training step), untimed for every system. Six warm-ups, for every system: the
 first puts at a size land in object-store memory the trainer has not touched yet.
 """
 
@@ -130,9 +131,13 @@ def _bump(model: torch.nn.Module, value: float) -> None:
             p.fill_(value)
 
 
-def _rounds(step, repeat: int, warmup: int = 6) -> list[float]:
+def _rounds(step, repeat: int, warmup: int = 6, prepare=None) -> list[float]:
+    """Seconds ``step(i)`` took, for ``repeat`` rounds after ``warmup``; ``prepare(i)`` (the
+    training step that changes the weights) runs before each round, untimed."""
     out = []
     for i in range(warmup + repeat):
+        if prepare is not None:
+            prepare(i)
         t0 = time.perf_counter()
         step(i)
         if i >= warmup:
@@ -174,13 +179,12 @@ def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -
         floor["one"] += b
 
         def step(i: int) -> None:
-            _bump(model, float(i + 1))
             scheme.send()
             if i >= 6:
                 r = scheme.last_report
                 parts.append((r.snapshot_s, r.publish_s, max(r.ack_latency.values())))
 
-        lat = _rounds(step, repeat)
+        lat = _rounds(step, repeat, prepare=lambda i: _bump(model, float(i + 1)))
         floor["parts"] = [statistics.median(x) for x in zip(*parts)]
         floor["store"] = _store_stats()
         a, b = floor_rounds(actors, nbytes, repeat - half)
@@ -212,12 +216,11 @@ def run_torchrl(nbytes: int, n: int, repeat: int) -> list[float]:
         buffer = live.detach().clone()
 
         def step(i: int) -> None:
-            _bump(model, float(i + 1))
             with torch.no_grad():
                 buffer.update_(live)
             scheme.send(weights=buffer)
 
-        lat = _rounds(step, repeat)
+        lat = _rounds(step, repeat, prepare=lambda i: _bump(model, float(i + 1)))
         got = ray.get([a.first_value.remote() for a in actors])
         if got != [float(repeat + 6)] * n:
             raise RuntimeError(f"TorchRL workers hold {got}, expected {float(repeat + 6)}")

@@ -15,6 +15,7 @@ says what to supply.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any
 
@@ -105,8 +106,13 @@ class CapabilityChecks:
         if (reason := netns.available()) is not None:
             pytest.skip(f"multi_host is declared but cannot be tested here: {reason}")
         spec = version_spec()
-        with netns.hosts(2, local=True) as (here, there):
-            target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(here.address))})
+        with netns.hosts(2, local=True) as (here, there), contextlib.ExitStack() as stack:
+            # optional: a runtime the transport needs on both hosts (e.g. a Ray node on each), a
+            # context manager given both hosts, yielding options merged over multi_host_options'
+            setup = getattr(self, "multi_host_setup", None)
+            with watchdog.paused():
+                extra = dict(stack.enter_context(setup(here, there))) if setup is not None else {}
+            target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(here.address)), **extra})
             local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
             local.init_on_sender(model=build(spec), num_workers=1)  # resolves the options receivers need
             copy = pickle.loads(pickle.dumps(local))

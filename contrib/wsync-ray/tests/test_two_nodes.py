@@ -3,7 +3,8 @@ network namespace and ``ray start --address`` in another, joined by veth links t
 (``wsync_conformance.netns``). The trainer runs in the head's namespace, both rollout actors on
 the other node, so every payload crosses Ray's object manager between the two.
 
-Needs root and ``ip netns``; skipped with the reason otherwise. Each node gets 1 CPU and 256 MiB
+Runs with ``--thorough`` only (the suite's ``test_capability_multi_host`` proves multi_host on
+a two-node cluster in the default run). Needs root and ``ip netns``; skipped with the reason otherwise. Each node gets 1 CPU and 256 MiB
 of object store; every Ray process is stopped and the namespaces deleted, whatever happens.
 """
 
@@ -26,7 +27,10 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture
-def two_hosts():
+def two_hosts(request):
+    if not request.config.getoption("wsync_thorough", default=False):
+        pytest.skip("runs with --thorough (24 s); by default the suite's test_capability_multi_host "
+                    "(tests/test_conformance.py) proves multi_host on a two-node Ray cluster")
     if (reason := netns.available()) is not None:
         pytest.skip(reason)
     with netns.hosts(2) as made:

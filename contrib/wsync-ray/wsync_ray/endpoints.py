@@ -48,6 +48,11 @@ log = logging.getLogger("wsync.ray")
 LONG_POLL_S = 5.0
 #: longest a wait goes without checking whether the scheme is shutting down (``wake``)
 WAKE_SLICE_S = 0.05
+#: how long a receive whose deadline has passed still waits for the mailbox to say whether a
+#: delivery it answered earlier is still the newest
+RECHECK_GRACE_S = 0.05
+#: how many events long-polls the sender keeps at the mailbox at once
+EVENT_POLLS = 4
 _mailbox_class: Any = None
 
 
@@ -91,6 +96,21 @@ def _get(ref: Any, deadline: Deadline, woken: threading.Event) -> Any:
                 raise
 
 
+def _wait_any(refs: list[Any], deadline: Deadline, woken: threading.Event) -> list[Any]:
+    """Those of ``refs`` that are ready, waiting for one by ``deadline``, in slices of
+    ``WAKE_SLICE_S`` so that ``woken`` ends the wait at once. Raises GetTimeoutError at the
+    deadline, _Woken once woken."""
+    while True:
+        if woken.is_set():
+            raise _Woken
+        done, _ = ray.wait(refs, num_returns=1, timeout=deadline.slice(WAKE_SLICE_S), fetch_local=True)
+        if done:
+            more, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            return more or done
+        if deadline.expired():
+            raise GetTimeoutError("nothing came by the deadline")
+
+
 def _ray_failed(what: str, exc: BaseException) -> TransportError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return TransportError(f"{what}: {type(exc).__name__}: {first}")
@@ -108,7 +128,8 @@ class RaySender(SenderEndpoint):
         self.latest = -1  # the slot published last
         self.seq = 0
         self.mailbox: Any = None
-        self.pending_events: Any = None
+        self.pending_events: list[tuple[int, Any]] = []  # events long-polls waiting: (event awaited, ref)
+        self.seen = -1  # the number of the last event handed on
         self.posts: list[Any] = []
         self.woken = threading.Event()
 
@@ -156,17 +177,32 @@ class RaySender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         while True:
             self._check_posts()
-            if self.pending_events is None:
-                self.pending_events = self.mailbox.events.remote(LONG_POLL_S)
+            # EVENT_POLLS long-polls wait at the mailbox, for the next EVENT_POLLS events, so each new
+            # event answers one at once (none waits for the sender's next call to arrive); events
+            # are numbered, so each is handed on once and in order whichever answer brings it
+            waiting = {need for need, _ in self.pending_events}
+            for need in range(self.seen + 1, self.seen + 1 + EVENT_POLLS):
+                if need not in waiting:
+                    self.pending_events.append((need, self.mailbox.events.remote(self.seen, need, LONG_POLL_S)))
             try:
-                batch = _get(self.pending_events, deadline, self.woken)
+                done = _wait_any([ref for _, ref in self.pending_events], deadline, self.woken)
+                self.pending_events = [(n, r) for n, r in self.pending_events if r not in done]
+                replies = ray.get(done)
             except (GetTimeoutError, _Woken):
                 return []
             except RayError as exc:
-                self.pending_events = None
+                self.pending_events = []
                 raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
-            self.pending_events = None
-            events = [e for e in map(_event, batch) if e is not None]
+            numbered = sorted({item[0]: item[1] for reply in replies if isinstance(reply, list) for item in reply
+                               if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                               and item[0] > self.seen}.items())
+            events: list[Event] = []
+            for n, item in numbered:
+                if n != self.seen + 1:  # a gap: the next answer brings it, with what follows
+                    break
+                self.seen = n
+                if (event := _event(item)) is not None:
+                    events.append(event)
             if events or deadline.expired():
                 return events
 
@@ -176,7 +212,7 @@ class RaySender(SenderEndpoint):
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
         self.refs.clear()
-        self.slots, self.posts, self.pending_events = [], [], None
+        self.slots, self.posts, self.pending_events = [], [], []
         if mailbox is None:
             return
         try:  # waiting receivers hear that the sender is gone, then the actor goes
@@ -234,6 +270,7 @@ class RayReceiver(ReceiverEndpoint):
         self.token = uuid.uuid4().hex
         self.mailbox: Any = None
         self.pending: Any = None  # a take not yet answered
+        self.candidate: tuple[bytes, Any] | None = None  # a possibly stale delivery, kept until none is newer
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
         self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
         self.delivered = False  # the last recv returned a delivery
@@ -253,7 +290,9 @@ class RayReceiver(ReceiverEndpoint):
                 time.sleep(deadline.slice(delay))
                 delay = min(2 * delay, 0.2)
         context = ray.get_runtime_context()
-        watch = [context.current_actor] if context.get_actor_id() is not None else []
+        # how the mailbox sees this process die: through its actor, else its Ray worker's record
+        watch = ["actor", context.current_actor] if context.get_actor_id() is not None else \
+            ["worker", context.get_worker_id()]
         hello = mailbox.hello.remote(self.worker, self.token, watch)
         try:
             ready, _ = ray.wait([hello], timeout=_timeout(deadline))
@@ -271,13 +310,15 @@ class RayReceiver(ReceiverEndpoint):
             return None
         if self.delivered and deadline.expired():
             # the core's "anything newer?" right after a delivery: the mailbox keeps only the newest
-            # per worker and that was just taken, so do not wait for its answer; but re-arm the
-            # long-poll, so that what arrives next is here for a receive(timeout=0)
+            # per worker and that was just taken, so do not wait for its answer. The long-poll is
+            # re-armed by the ack that follows (one call for both), or by the next recv
             self.delivered = False
-            if self.pending is None:
-                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
             return None
         self.delivered = False
+        # a take answered before this call began may be stale: the worker was not reading while
+        # newer versions replaced it in the mailbox. Such a delivery is only a candidate until a
+        # take that does not wait says nothing newer is there (the newest wins, never a queued one)
+        suspect = self.pending is not None and bool(ray.wait([self.pending], timeout=0, fetch_local=False)[0])
         while True:
             if self.fetching is not None:
                 header, ref = self.fetching
@@ -293,11 +334,21 @@ class RayReceiver(ReceiverEndpoint):
                 self.delivered = True
                 return self._delivery(header, ref, value)
             if self.pending is None:
-                self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
-            try:
-                reply = _get(self.pending, deadline, self.woken)
-            except (GetTimeoutError, _Woken):
+                self.pending = self.mailbox.take.remote(self.worker, self.token,
+                                                        0.0 if self.candidate is not None else LONG_POLL_S)
+            rechecking = self.candidate is not None
+            try:  # a recheck may overrun a short deadline by RECHECK_GRACE_S: it is one quick call
+                reply = _get(self.pending, Deadline(max(deadline.remaining(), RECHECK_GRACE_S)) if rechecking
+                             else deadline, self.woken)
+            except _Woken:
                 return None
+            except GetTimeoutError:
+                if not rechecking:
+                    return None
+                # no answer in time: the candidate is the newest this receiver knows of; the recheck
+                # stays pending and is looked at by the next call
+                self.fetching, self.candidate = self.candidate, None
+                continue
             except RayActorError as exc:
                 self.pending = None
                 raise _ray_failed(f"worker {self.worker}: the ray sender on channel {self.channel!r} is gone",
@@ -308,14 +359,19 @@ class RayReceiver(ReceiverEndpoint):
             self.pending = None
             kind = reply[0] if isinstance(reply, list) and reply else None
             if kind == "none":
-                if deadline.expired():
+                if self.candidate is not None:  # nothing newer than the candidate: it is the newest
+                    self.fetching, self.candidate = self.candidate, None
+                elif deadline.expired():
                     return None
             elif kind == "data" and len(reply) == 4 and isinstance(reply[2], bytes) and isinstance(reply[3], list) \
                     and len(reply[3]) == 1 and isinstance(reply[3][0], ray.ObjectRef):
                 if len(reply[2]) > MAX_HEADER_BYTES:
                     raise TransportError(f"worker {self.worker}: a header of {len(reply[2])} bytes exceeds "
                                          f"{MAX_HEADER_BYTES}")
-                self.fetching = (reply[2], reply[3][0])
+                if suspect:  # ask once for anything newer; this one is dropped if there is
+                    suspect, self.candidate = False, (reply[2], reply[3][0])
+                else:
+                    self.fetching, self.candidate = (reply[2], reply[3][0]), None
             elif kind == "closed":
                 raise TransportError(f"worker {self.worker}: the ray sender on channel {self.channel!r} shut down")
             elif kind == "gone":
@@ -349,11 +405,14 @@ class RayReceiver(ReceiverEndpoint):
     def ack(self, data: bytes) -> None:
         if len(data) > MAX_ACK_BYTES:
             raise TransportError(f"ack of {len(data)} bytes exceeds {MAX_ACK_BYTES}")
-        self.mailbox.ack.remote(self.worker, self.token, bytes(data))
+        if self.pending is None:  # the ack also re-arms the long-poll: what arrives next is here sooner
+            self.pending = self.mailbox.ack.remote(self.worker, self.token, bytes(data), LONG_POLL_S)
+        else:
+            self.mailbox.ack.remote(self.worker, self.token, bytes(data))
 
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
-        self.pending = self.fetching = None
+        self.pending = self.fetching = self.candidate = None
         if mailbox is None:
             return
         try:  # after this worker's acks (Ray runs one caller's calls in order): the sender reads them first

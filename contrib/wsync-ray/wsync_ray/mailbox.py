@@ -5,8 +5,10 @@ object store, where the sender put them).
 It keeps, per worker, the newest delivery not yet taken (a take removes it, so the mailbox never
 holds a version a worker already has), the token of the receiver now serving that worker (a
 restarted receiver replaces it; calls with an older token are refused), and the events the
-sender has not collected yet. A receiver that runs inside a Ray actor is watched: when the actor
-dies the sender gets ``left`` at once instead of waiting out its timeout.
+sender has not collected yet. Every receiver's process is watched, so that when it dies the
+sender gets ``left`` within a second instead of waiting out its timeout: a receiver inside a Ray
+actor through its actor handle, any other (a driver, or a task's worker) through the GCS's record
+of its Ray worker, which Ray marks dead once the process is gone (or its node is).
 """
 
 from __future__ import annotations
@@ -15,11 +17,22 @@ import asyncio
 import contextlib
 from typing import Any
 
-__all__ = ["Mailbox", "WATCH_INTERVAL_S"]
+__all__ = ["Mailbox", "WATCH_INTERVAL_S", "worker_alive"]
 
-#: seconds between two liveness probes of a receiver's actor (a probe queues behind whatever the
-#: actor runs, so a busy actor costs nothing; a dead one fails the probe at once)
+#: seconds between two liveness probes of a receiver's process (an actor's probe queues behind
+#: whatever the actor runs, so a busy actor costs nothing; a dead one fails the probe at once)
 WATCH_INTERVAL_S = 0.5
+
+
+def worker_alive(worker_id: str) -> bool:
+    """False once the GCS records Ray worker ``worker_id`` (hex; a driver's or a task worker's) as
+    dead; True while it lives or has no record yet. Raises ValueError for a malformed id."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    info = state._connect_and_get_accessor().get_worker_info(ray.WorkerID(bytes.fromhex(worker_id)))
+    return info is None or gcs_pb2.WorkerTableData.FromString(info).is_alive
 
 
 class Mailbox:
@@ -30,7 +43,9 @@ class Mailbox:
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
-        self._events: list[list[Any]] = []  # ["join", w] | ["ack", w, data] | ["left", w, reason]
+        # [seq, event] not yet confirmed by the sender; event: ["join", w] | ["ack", w, data] | ["left", w, reason]
+        self._events: list[list[Any]] = []
+        self._seq = 0  # the number of the next event
         self._watches: dict[int, asyncio.Task] = {}
         self._closed = False
 
@@ -46,12 +61,18 @@ class Mailbox:
         watch = self._watches.pop(worker, None)
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()
-        self._events.append(["left", worker, reason])
+        self._event(["left", worker, reason])
+
+    def _event(self, event: list[Any]) -> None:
+        """Log ``event`` under the next number for the sender (caller holds the condition)."""
+        self._events.append([self._seq, event])
+        self._seq += 1
         self._condition().notify_all()
 
     async def hello(self, worker: int, token: str, watch: list[Any]) -> bool:
-        """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` holds its
-        actor handle, or nothing. False if the sender has shut down."""
+        """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
+        see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing. False
+        if the sender has shut down."""
         cond = self._condition()
         async with cond:
             if self._closed:
@@ -61,24 +82,46 @@ class Mailbox:
             old = self._watches.pop(worker, None)
             if old is not None:
                 old.cancel()
-            if watch:
-                self._watches[worker] = asyncio.get_running_loop().create_task(self._watch(worker, token, watch[0]))
-            self._events.append(["join", worker])
-            cond.notify_all()
+            if len(watch) == 2 and watch[0] in ("actor", "worker"):
+                probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
+                self._watches[worker] = asyncio.get_running_loop().create_task(
+                    self._watch(worker, token, probe, watch[1]))
+            self._event(["join", worker])
         return True
 
-    async def _watch(self, worker: int, token: str, actor: Any) -> None:
-        from ray.exceptions import RayActorError
-
+    async def _watch(self, worker: int, token: str, probe: Any, what: Any) -> None:
+        """Probe ``what`` every WATCH_INTERVAL_S until it is found dead; then drop ``worker`` if
+        ``token`` still serves it."""
         while True:
-            try:
-                await actor.__ray_ready__.remote()
-            except RayActorError as exc:
+            reason = await probe(what)
+            if reason is not None:
                 async with self._condition():
                     if self._members.get(worker) == token:
-                        self._drop(worker, f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+                        self._drop(worker, reason)
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    @staticmethod
+    async def _probe_actor(actor: Any) -> str | None:
+        from ray.exceptions import RayActorError
+
+        try:
+            await actor.__ray_ready__.remote()
+        except RayActorError as exc:
+            return f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        return None
+
+    @staticmethod
+    async def _probe_worker(worker_id: Any) -> str | None:
+        from ray.exceptions import RayError
+
+        if not isinstance(worker_id, str):
+            return None
+        try:  # one small GCS call, off the event loop; a failed one is retried at the next probe
+            alive = await asyncio.to_thread(worker_alive, worker_id)
+        except (ValueError, RayError):
+            return None
+        return None if alive else f"its process (Ray worker {worker_id[:12]}...) died"
 
     async def bye(self, worker: int, token: str) -> None:
         """Receiver ``token`` shut down."""
@@ -116,23 +159,28 @@ class Mailbox:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(cond.wait(), left)
 
-    async def ack(self, worker: int, token: str, data: bytes) -> None:
-        """Receiver ``token`` acks ``data`` (dropped if another receiver serves ``worker`` now)."""
+    async def ack(self, worker: int, token: str, data: bytes, take_s: float | None = None) -> list[Any] | None:
+        """Receiver ``token`` acks ``data`` (dropped if another receiver serves ``worker`` now); with
+        ``take_s``, then takes as ``take(worker, token, take_s)`` does and returns its answer."""
         cond = self._condition()
         async with cond:
             if self._members.get(worker) == token:
-                self._events.append(["ack", worker, data])
-                cond.notify_all()
+                self._event(["ack", worker, data])
+        return None if take_s is None else await self.take(worker, token, take_s)
 
-    async def events(self, wait_s: float) -> list[list[Any]]:
-        """The events since the last call, waiting up to ``wait_s`` seconds for one."""
+    async def events(self, seen: int, need: int, wait_s: float) -> list[list[Any]]:
+        """``[[n, event], ...]``: the logged events numbered above ``seen``, once one numbered
+        ``need`` or above is there (or after ``wait_s`` seconds, or once closed). The sender keeps
+        several calls waiting, each with its own ``need``, so that each new event answers one of
+        them at once; the events up to ``seen`` (which it has) are forgotten. An answer lost on
+        the way costs nothing: the next call hands its events on again."""
         cond = self._condition()
         async with cond:
-            if not self._events and not self._closed:
+            self._events = [e for e in self._events if e[0] > seen]
+            if self._seq <= need and not self._closed:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(cond.wait_for(lambda: self._events or self._closed), max(0.0, wait_s))
-            out, self._events = self._events, []
-        return out
+                    await asyncio.wait_for(cond.wait_for(lambda: self._seq > need or self._closed), max(0.0, wait_s))
+            return [e for e in self._events if e[0] > seen]
 
     async def close(self) -> None:
         """The sender shuts down: every waiting receiver hears so, every reference is dropped."""
