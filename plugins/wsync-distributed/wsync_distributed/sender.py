@@ -293,14 +293,16 @@ class DistributedSender(SenderBase):
         self.cond.notify_all()
 
     def _lose(self, lane: _Lane, reason: str, store: dist.Store | None) -> None:
-        """Give ``lane``'s worker up: report it Left, and tell it (if it runs and can hear) to join again."""
+        """Give ``lane``'s worker up: report it Left; with ``store`` (a failure, not a goodbye) tell
+        it, if it runs and can hear, to join again."""
         with self.cond:
             if self.lanes.get(lane.worker) is not lane:
                 return
             del self.lanes[lane.worker]
             self._retire(lane)
             if not self.closing:
-                log.warning("distributed sender: worker %d is given up: %s", lane.worker, reason)
+                log.log(logging.WARNING if store is not None else logging.INFO,
+                        "distributed sender: worker %d is given up: %s", lane.worker, reason)
                 self.emit(Left(lane.worker, reason))
         if store is not None and not self.closing:
             try:
