@@ -70,6 +70,7 @@ class _Stream:
     headers: dict[int, bytes] = field(default_factory=dict)
     over: bool = False
     abandoned: bool = False
+    sent: bool = False  # some lane has it
 
 
 @dataclass(eq=False)
@@ -173,6 +174,7 @@ class DistributedSender(SenderBase):
                     lane = self.lanes.get(w)
                     if lane is not None and lane.nbytes == self.nbytes:  # a misfit gets its header at publish
                         self._queue(lane, _Job(found, stream.seq, stream=stream))
+                        stream.sent = True
             stream.ready = nbytes
             self.cond.notify_all()
 
@@ -249,8 +251,9 @@ class DistributedSender(SenderBase):
             self.acquired = None  # half-written: free to write again
         if not stream.headers:
             stream.abandoned = True
-            log.info("distributed sender: the snapshot numbered %d was abandoned before publish; its receivers "
-                     "drop it", stream.seq)
+            if stream.sent:
+                log.info("distributed sender: the snapshot numbered %d was abandoned before publish; its receivers "
+                         "drop it", stream.seq)
         self.cond.notify_all()
 
     @staticmethod
