@@ -1,6 +1,6 @@
 """Faults with real processes and real Gloo links: a worker SIGKILLed before, during or after a
 send (its survivors are updated, only it is named, later sends work, a replacement joins under
-its index), the sender SIGKILLed (every receiver's ``receive()`` returns or raises
+its index), a worker stopped (SIGSTOP) and resumed, the sender SIGKILLed (every receiver's ``receive()`` returns or raises
 TransportError in time, its model on the last version it applied), a worker whose model differs.
 
 Each fault runs at 10 KiB or at a large size; the default run has one case per fault, ``--thorough``
@@ -148,6 +148,38 @@ def test_a_killed_sender_ends_every_receive_in_time(workers, senders, request, s
         assert applied[-1]["version"] >= 2 and done["version"] == applied[-1]["version"], lines
         assert done["lo"] == done["hi"] == float(done["version"]), done  # never a half-written version
         assert done["slowest"] < 0.5 + 10.0, done
+
+
+def test_a_stopped_worker_is_given_up_and_joins_again_when_it_resumes(workers):
+    """Worker 1 of 2 is stopped (SIGSTOP: a hung process, a long pause) before a send: the send
+    names it alone once its heartbeat has been silent for ``heartbeat_timeout``, worker 0 holds
+    the version, later sends to worker 0 work; once worker 1 resumes (SIGCONT) it joins again by
+    itself and ends on the newest version."""
+    scheme, w = _sender(2, "kib10")
+    config = {"options": scheme.transport.options, "variant": "kib10", "until": 3, "run_s": 120}
+    procs = [workers({**config, "idx": i}) for i in range(2)]
+    tails = [Tail(p) for p in procs]
+    try:
+        scheme.connect()
+        procs[1].proc.send_signal(signal.SIGSTOP)
+        _fill(w, 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=SEND_TIMEOUT)
+        _names_only(info, [1], t0)
+        tails[0].applied(1, 60)
+        _fill(w, 2)
+        assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == 2
+        procs[1].proc.send_signal(signal.SIGCONT)
+        tails[1].applied(2, 60)
+        _fill(w, 3)
+        assert scheme.send(timeout=SEND_TIMEOUT) == 3
+    finally:
+        procs[1].proc.send_signal(signal.SIGCONT)
+        scheme.shutdown()
+    for tail in tails:
+        applied = [line["version"] for line in tail.lines() if line["event"] == "applied"]
+        assert applied == sorted(set(applied)) and applied[-1] == 3, applied
 
 
 @pytest.mark.parametrize("variant", ["other"])
