@@ -151,22 +151,24 @@ class DistributedReceiver(ReceiverBase):
         store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
 
     def _beat(self, store: dist.Store | None) -> None:
-        """Bump the heartbeat; note an eviction. A store call that fails (a cut link) is retried on
-        a fresh connection, so beats resume once the link is back."""
+        """Bump the heartbeat; note an eviction. A store call that fails (a cut link, a sender
+        gone) is retried on a new connection, each call and connect bounded, so beats resume once
+        the link is back and ``close`` never waits long for this thread."""
         key = wire.heartbeat_key(self.worker)
-        wait = timedelta(seconds=max(1.0, self.cfg.heartbeat_timeout))
+        wait = max(1.0, self.cfg.heartbeat_timeout)
         if store is not None:
-            store.set_timeout(wait)
+            store.set_timeout(timedelta(seconds=wait))
         while not self.stopped.wait(HEARTBEAT_S):
             try:
                 if store is None:
-                    store = wire.clone(self.store, wait)
+                    store = wire.connect(self.cfg, Deadline(wait))
+                    store.set_timeout(timedelta(seconds=wait))
                 store.add(key, 1)
                 inbox = self.inbox
                 if inbox != self.evicted and store.check([wire.evict_key(inbox)]):
                     log.warning("%s: the sender gave this worker up; joining again", self.what)
                     self.evicted = inbox
-            except (RuntimeError, AttributeError) as exc:  # AttributeError: closed meanwhile
+            except (RuntimeError, TransportError) as exc:
                 log.debug("%s: heartbeat failed: %s", self.what, wire.brief(exc))
                 store = None
 
