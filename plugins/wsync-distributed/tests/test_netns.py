@@ -61,7 +61,8 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
                                   heartbeat_timeout=HEARTBEAT)
         w = weights(variant, 0.0)
         scheme.init_on_sender(weights=w, num_workers=2)
-        config = {"options": scheme.transport.options, "variant": variant, "until": 4, "run_s": 180}
+        config = {"options": scheme.transport.options, "variant": variant, "until": 4, "run_s": 180,
+                  "keep_going": True}  # receive() raises TransportError while the sender is out of reach
         tails = [Tail(workers({**config, "idx": i}, prefix=host.prefix)) for i, host in enumerate((a, b))]
         try:
             scheme.connect()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -59,6 +60,7 @@ class DistributedReceiver(ReceiverBase):
             self.device = torch.device("cpu")
         self.inbox = uuid.uuid4().hex
         self.evicted = ""  # the inbox the sender gave up, once the heartbeat thread saw it
+        self.beat_at = time.monotonic()  # when a heartbeat last reached the sender's store
         self.pool: list[torch.Tensor] = []
         self.held: set[int] = set()  # slots the core holds, or that wait in the mailbox or for a commit
         self.filled: tuple[int, int] | None = None  # (seq, slot): received in full, not yet committed
@@ -100,9 +102,7 @@ class DistributedReceiver(ReceiverBase):
                 store.queue_push(wire.inbox_key(self.inbox), wire.encode_control(wire.Control(kind="stop")))
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
                 log.debug("%s: goodbye failed: %s", self.what, wire.brief(exc))
-        link = self.link
-        if link is not None:
-            _abort(link[1])
+        self._drop_link()
         for thread in self.threads:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
@@ -124,9 +124,14 @@ class DistributedReceiver(ReceiverBase):
                 self.held.discard(filled[1])
                 self.cond.notify_all()
 
+    def _cut_off(self) -> bool:
+        """Whether the sender's store has been out of reach for twice ``heartbeat_timeout``: the
+        sender is dead, or cut off and has given this worker up already."""
+        return time.monotonic() - self.beat_at > 2 * self.cfg.heartbeat_timeout
+
     def _slot(self) -> int | None:
         """A buffer to fill, marked held: free, else new (up to ``_POOL``), else one the core
-        releases in time. None: none freed up."""
+        releases in time. None: none freed up, or the sender is out of reach."""
         deadline = Deadline(self.cfg.timeout)
         with self.cond:
             while True:
@@ -137,7 +142,7 @@ class DistributedReceiver(ReceiverBase):
                 if slot is not None:
                     self.held.add(slot)
                     return slot
-                if deadline.expired() or self.stopped.is_set():
+                if deadline.expired() or self.stopped.is_set() or self._cut_off():
                     return None
                 self.cond.wait(deadline.slice(1.0))
 
@@ -164,6 +169,7 @@ class DistributedReceiver(ReceiverBase):
                     store = wire.connect(self.cfg, Deadline(wait))
                     store.set_timeout(timedelta(seconds=wait))
                 store.add(key, 1)
+                self.beat_at = time.monotonic()
                 inbox = self.inbox
                 if inbox != self.evicted and store.check([wire.evict_key(inbox)]):
                     log.warning("%s: the sender gave this worker up; joining again", self.what)
@@ -177,16 +183,20 @@ class DistributedReceiver(ReceiverBase):
             torch.cuda.set_device(self.device)
         while not self.stopped.is_set():
             if self.evicted == self.inbox:
-                self._rejoin(store)
+                store = self._rejoin()
+                if store is None:
+                    return
                 continue
             try:
                 raw = store.queue_pop(wire.inbox_key(self.inbox), True)
             except RuntimeError as exc:
                 if isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower():
                     continue
-                if not self.stopped.is_set():
-                    self.fail(f"lost the sender's store at {self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}")
-                return
+                if not self.stopped.is_set():  # the sender died, or this connection broke: join again
+                    log.warning("%s: lost the sender's store at %s:%d: %s", self.what, self.cfg.host, self.cfg.port,
+                                wire.brief(exc))
+                    self.evicted = self.inbox
+                continue
             try:
                 ctl, header = wire.decode_control(raw)
             except TransportError as exc:
@@ -218,22 +228,43 @@ class DistributedReceiver(ReceiverBase):
             else:
                 self._take_part(store, ctl, header)
 
-    def _rejoin(self, store: dist.Store) -> None:
-        """The sender gave this worker up: drop the link and what it half-delivered, join again
-        under a fresh inbox. Fails the endpoint if the store is gone."""
+    def _rejoin(self) -> dist.Store | None:
+        """The sender gave this worker up, or its link failed: drop the link and what it
+        half-delivered, then join again under a fresh inbox over a new store connection (returned;
+        None once closing). Until that succeeds, ``recv`` raises TransportError (the sender is dead
+        or out of reach); each try is bounded, so a dead sender never stalls this thread."""
         self._drop_link()
         self._drop_filled()
         self.inbox = uuid.uuid4().hex
-        try:
-            self._join(store)
-        except RuntimeError as exc:
-            self.fail(f"cannot join the sender again at {self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}")
-            self.stopped.set()
+        wait = max(1.0, self.cfg.heartbeat_timeout)
+        while not self.stopped.is_set():
+            try:
+                store = wire.connect(self.cfg, Deadline(wait))
+                self._join(store)
+            except (RuntimeError, TransportError) as exc:
+                self.fail(f"the sender's store at {self.cfg.host}:{self.cfg.port} is out of reach (the sender "
+                          f"died, or the link is cut): {wire.brief(exc)}")
+                self.stopped.wait(HEARTBEAT_S)
+                continue
+            self.clear_failure()
+            return store
+        return None
 
-    def _drop_link(self) -> None:
+    def _drop_link(self, slot: int | None = None) -> None:
+        """Forget the link; a thread of its own aborts it (gloo's abort may wait for a peer that is
+        gone), then frees ``slot``, which a broadcast on it may write until then."""
         link, self.link = self.link, None
-        if link is not None:
+        if link is None:
+            if slot is not None:
+                self._release(slot)
+            return
+
+        def reap() -> None:
             _abort(link[1])
+            if slot is not None:
+                self._release(slot)
+
+        threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True).start()
 
     def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
         """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if
@@ -254,10 +285,10 @@ class DistributedReceiver(ReceiverBase):
             if self.nbytes:
                 works = wire.broadcast(self.link[1], buffer, ctl.spans())
                 wire.wait_works(works, Deadline(self.cfg.timeout), f"link {ctl.group}",
-                                lambda: self.stopped.is_set() or self.evicted == inbox, self.device.type == "cuda")
+                                lambda: self.stopped.is_set() or self.evicted == inbox or self._cut_off(),
+                                self.device.type == "cuda")
         except (RuntimeError, TransportError) as exc:
-            if slot is not None:
-                self._release(slot)
+            self._drop_link(slot)
             if not self.stopped.is_set():
                 log.warning("%s: link %s failed: %s; joining again", self.what, ctl.group, wire.brief(exc))
                 self.evicted = inbox

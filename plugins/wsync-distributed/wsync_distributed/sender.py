@@ -50,6 +50,8 @@ log = logging.getLogger("wsync.distributed")
 
 #: senders open in this process (a forked child lets go of their sockets)
 _live: weakref.WeakSet[DistributedSender] = weakref.WeakSet()
+#: how long ``close`` waits for each lane's thread (one aborting a link to a dead peer may take longer)
+_LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
 _HEARTBEAT_CHECK_S = 0.25
 #: the core reports progress (``ready``) at least this many times per bucket
@@ -221,12 +223,13 @@ class DistributedSender(SenderBase):
                 store.queue_push(wire.EVENTS, wire.encode_event(wire.STOP, 0))
             except (RuntimeError, OSError) as exc:
                 log.warning("distributed sender: could not say goodbye to the workers: %s", wire.brief(exc))
-        for lane in lanes:
-            _abort(lane.group)
-        for thread in self.threads + [lane.thread for lane in lanes if lane.thread is not None]:
+        for thread in self.threads:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
                 log.warning("distributed sender: thread %s did not stop", thread.name)
+        for lane in lanes:  # a lane aborting a link to a peer that is gone ends on its own, later
+            if lane.thread is not None:
+                lane.thread.join(timeout=_LANE_JOIN_S)
         self.threads.clear()
         self.store = None
         if self.sock is not None:
@@ -285,15 +288,13 @@ class DistributedSender(SenderBase):
         self.emit(Joined(w))
 
     def _retire(self, lane: _Lane) -> None:
-        """Stop ``lane``: its thread drops its queued job and ends once its current one does (caller holds ``cond``)."""
+        """Stop ``lane``: its queued job is dropped; its thread stops waiting for its current one,
+        aborts its link (only that thread waits for gloo's abort) and ends (caller holds ``cond``)."""
         lane.gone = True
         job, lane.pending = lane.pending, None
         if job is not None:
             self.let_go(job.buffer, lane.worker)
-        group = lane.group
-        if group is not None:  # ends a broadcast stuck on a dead or cut-off peer
-            _abort(group)
-        self.cond.notify_all()
+        self.cond.notify_all()  # its thread sees ``gone``, ends its broadcast and aborts its link
 
     def _lose(self, lane: _Lane, reason: str, store: dist.Store | None) -> None:
         """Give ``lane``'s worker up: report it Left; with ``store`` (a failure, not a goodbye) tell
@@ -453,7 +454,8 @@ class DistributedSender(SenderBase):
             wire.wait_works(works, deadline, f"sending to worker {lane.worker}", lambda: lane.gone or self.closing,
                             cuda)
         except (RuntimeError, TransportError) as exc:
-            _abort(lane.group)
+            group, lane.group = lane.group, None
+            _abort(group)
             _settle(works, self.cfg.timeout)  # gloo may still read the buffer until its works end
             raise TransportError(f"link {lane.link}: {wire.brief(exc)}") from exc
         if header is None and stream is not None:
