@@ -250,17 +250,20 @@ class DistributedReceiver(ReceiverBase):
             return store
         return None
 
-    def _drop_link(self, slot: int | None = None) -> None:
-        """Forget the link; a thread of its own aborts it (gloo's abort may wait for a peer that is
-        gone), then frees ``slot``, which a broadcast on it may write until then."""
+    def _drop_link(self, slot: int | None = None, works: list | None = None) -> None:
+        """Forget the link; a thread of its own aborts it and lets go of its ``works`` (gloo may wait
+        for a peer that is gone in either), then frees ``slot``, which those works may write until then."""
         link, self.link = self.link, None
-        if link is None:
+        if link is None and works is None:
             if slot is not None:
                 self._release(slot)
             return
+        pending = [works]  # the last reference: dropped in the reaper, never in the receive thread
 
         def reap() -> None:
-            _abort(link[1])
+            if link is not None:
+                _abort(link[1])
+            _settle(pending.pop() or [], self.cfg.timeout)
             if slot is not None:
                 self._release(slot)
 
@@ -278,6 +281,8 @@ class DistributedReceiver(ReceiverBase):
         else:
             buffer = self.pool[slot]
         inbox = self.inbox
+        works: list = []
+        error = ""
         try:
             if self.link is None or self.link[0] != ctl.group:
                 self._drop_link()
@@ -288,9 +293,12 @@ class DistributedReceiver(ReceiverBase):
                                 lambda: self.stopped.is_set() or self.evicted == inbox or self._cut_off(),
                                 self.device.type == "cuda")
         except (RuntimeError, TransportError) as exc:
-            self._drop_link(slot)
+            error = wire.brief(exc)  # a string: the traceback would keep the works alive in this thread
+        if error:
+            self._drop_link(slot, works)
+            del works
             if not self.stopped.is_set():
-                log.warning("%s: link %s failed: %s; joining again", self.what, ctl.group, wire.brief(exc))
+                log.warning("%s: link %s failed: %s; joining again", self.what, ctl.group, error)
                 self.evicted = inbox
             return
         if slot is None:
@@ -300,6 +308,14 @@ class DistributedReceiver(ReceiverBase):
         else:
             with self.cond:
                 self.filled = (ctl.seq, slot)
+
+
+def _settle(works: list, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until every work has ended, whether it failed or not."""
+    end = time.monotonic() + timeout
+    for work in works:
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.005)
 
 
 def _abort(group: dist.ProcessGroup) -> None:
