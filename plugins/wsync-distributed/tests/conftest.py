@@ -1,4 +1,5 @@
-"""Fixtures: receiver processes running ``dist_worker.py``, killed at teardown whatever happens."""
+"""Fixtures: receiver processes running ``dist_worker.py`` (``workers``) and sender processes running
+``dist_sender.py`` (``senders``), killed at teardown whatever happens."""
 
 from __future__ import annotations
 
@@ -7,3 +8,4 @@ from pathlib import Path
 from wsync_conformance.harness import script_workers
 
 workers = script_workers(Path(__file__).with_name("dist_worker.py"))
+senders = script_workers(Path(__file__).with_name("dist_sender.py"), name="senders")

@@ -1,50 +1,200 @@
-"""Faults with real processes and real Gloo groups: a worker that dies, a worker whose model differs."""
+"""Faults with real processes and real Gloo links: a worker SIGKILLed before, during or after a
+send (its survivors are updated, only it is named, later sends work, a replacement joins under
+its index), a worker stopped (SIGSTOP) and resumed, the sender SIGKILLed (every receiver's ``receive()`` returns or raises
+TransportError in time, its model on the last version it applied), a worker whose model differs.
+
+Each fault runs at 10 KiB or at a large size; the default run has one case per fault, ``--thorough``
+the whole matrix (10 KiB, 16 MiB, 256 MiB).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from wsync_core import SchemaMismatchError, WeightSyncScheme, WorkerTimeoutError
+from wsync_core import SchemaMismatchError, WeightSyncScheme, WorkerTimeoutError, free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_worker import send_versions, weights  # noqa: E402
+from tail import Tail  # noqa: E402
+
+#: model variants by size: 10 KiB, 16 MiB, 256 MiB
+SIZES = {"10KiB": "kib10", "16MiB": "big16", "256MiB": "big256"}
+#: the cases the default run keeps (the others need --thorough)
+DEFAULT = {("before", "10KiB"), ("during", "16MiB"), ("after", "10KiB"), ("sender", "16MiB")}
+#: seconds a worker may stay silent before the sender gives it up
+HEARTBEAT = 1.5
+#: the send's timeout: a dead worker must be named well within it
+SEND_TIMEOUT = 30.0
 
 
-def _sender(n: int, **options):
-    scheme = WeightSyncScheme("distributed", timeout=90.0, heartbeat_timeout=2.0, **options)
-    w = weights("base", 0.0)
+def _case(request, when: str, size: str) -> str:
+    if (when, size) not in DEFAULT and not request.config.getoption("wsync_thorough"):
+        pytest.skip("runs only with --thorough")
+    return SIZES[size]
+
+
+def _sender(n: int, variant: str = "base", **options):
+    scheme = WeightSyncScheme("distributed", timeout=90.0, heartbeat_timeout=HEARTBEAT, **options)
+    w = weights(variant, 0.0)
     scheme.init_on_sender(weights=w, num_workers=n)
     return scheme, w
 
 
-def test_dead_worker_is_named_and_the_others_are_updated(workers):
-    scheme, w = _sender(2)
+def _fill(w: dict[str, torch.Tensor], v: int) -> None:
+    for t in w.values():
+        t.fill_(v)
+
+
+def _kill(proc) -> None:
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.proc.wait(30)
+
+
+def _names_only(info: pytest.ExceptionInfo, dead: list[int], t0: float) -> None:
+    assert isinstance(info.value, WorkerTimeoutError)
+    assert info.value.workers == dead, info.value
+    assert time.monotonic() - t0 < SEND_TIMEOUT + 10.0  # named by the timeout (slack: a noisy machine)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("when", ["before", "during", "after"])
+def test_a_killed_worker_is_named_alone_and_the_others_stay_updated(workers, request, when, size):
+    """Worker 1 of 2 is SIGKILLed before, during or after a send: the send names it alone, worker
+    0 holds that version, the scheme keeps working for worker 0 (a send to all names 1 again,
+    a send to worker 0 succeeds), and a replacement started under index 1 joins and gets the
+    newest version, after which a send to all succeeds (the default run checks the replacement
+    in the "after" case only)."""
+    variant = _case(request, when, size)
+    scheme, w = _sender(2, variant)
     opts = scheme.transport.options
-    procs = [workers({"options": opts, "idx": i, "until": 3, "run_s": 120}) for i in range(2)]
+    config = {"options": opts, "variant": variant, "until": 4, "run_s": 180}
+    procs = [workers({**config, "idx": i}) for i in range(2)]
+    tails = [Tail(p) for p in procs]
     try:
         scheme.connect()
-        procs[1].proc.send_signal(signal.SIGKILL)
-        procs[1].proc.wait(30)
-        for t in w.values():
-            t.fill_(1)
+        _fill(w, 1)
+        if when == "after":
+            assert scheme.send(timeout=SEND_TIMEOUT) == 1
+        if when == "before":
+            _kill(procs[1])
         t0 = time.monotonic()
-        with pytest.raises(WorkerTimeoutError) as info:
-            scheme.send(timeout=20.0)
-        assert info.value.workers == [1]
-        assert time.monotonic() - t0 < 20.0 + 10.0
-        for v in (2, 3):  # the scheme stays usable for the survivor
-            for t in w.values():
-                t.fill_(v)
-            assert scheme.send(worker_ids=[0]) == v
+        if when == "during":
+            handle = scheme.send_async()
+            time.sleep(0.05)
+            _kill(procs[1])
+            try:  # it may have applied version 1 before it was killed (small sizes)
+                handle.wait(SEND_TIMEOUT)
+            except WorkerTimeoutError as exc:
+                assert exc.workers == [1], exc
+                assert time.monotonic() - t0 < SEND_TIMEOUT + 10.0
+        elif when == "before":
+            with pytest.raises(WorkerTimeoutError) as info:
+                scheme.send(timeout=SEND_TIMEOUT)
+            _names_only(info, [1], t0)
+        tails[0].applied(1, 60)
+        if when == "after":
+            _kill(procs[1])
+        _fill(w, 2)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:  # to all: worker 1 is named, worker 0 updated
+            scheme.send(timeout=SEND_TIMEOUT)
+        _names_only(info, [1], t0)
+        tails[0].applied(2, 60)
+        _fill(w, 3)
+        assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == 3
+        survivors = [tails[0]]
+        if when == "after" or request.config.getoption("wsync_thorough"):  # the default run: once
+            survivors.append(Tail(workers({**config, "idx": 1})))  # joins under the dead one's index
+            survivors[1].applied(3, 90)  # the newest version, at connect
+            _fill(w, 4)
+            assert scheme.send(timeout=SEND_TIMEOUT) == 4
+        else:
+            _fill(w, 4)
+            assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == 4
     finally:
         scheme.shutdown()
-    applied = [line["version"] for line in procs[0].lines() if line["event"] == "applied"]
-    assert applied[0] == 0 and applied[-1] == 3 and 1 in applied
+    for tail in survivors:
+        lines = tail.lines()
+        assert [line for line in lines if line["event"] == "error"] == []
+        applied = [line for line in lines if line["event"] == "applied"]
+        assert applied[-1]["version"] == 4 and applied[-1]["lo"] == applied[-1]["hi"] == 4.0, applied
+    versions = [line["version"] for line in tails[0].lines() if line["event"] == "applied"]
+    assert versions == sorted(set(versions)) and versions[-1] == 4, versions
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_a_killed_sender_ends_every_receive_in_time(workers, senders, request, size, tmp_path):
+    """The sender (its own process, sending version after version) is SIGKILLed mid-send: each
+    receiver's ``receive()`` returns or raises TransportError within its timeout (0.5 s, plus
+    slack for a noisy machine) until the worker stops (on the first error, or after ``run_s``),
+    and its model holds exactly the last version it applied."""
+    variant = _case(request, "sender", size)
+    opts = {"backend": "gloo", "port": free_port(), "heartbeat_timeout": HEARTBEAT}
+    procs = [workers({"options": opts, "variant": variant, "idx": i, "until": 1 << 30, "run_s": 45,
+                      "stacks": str(tmp_path / f"stacks{i}.txt")}) for i in range(2)]
+    sender = senders({"options": opts, "variant": variant, "workers": 2})
+    Tail(sender).wait_for(lambda line: line.get("version", 0) >= 2, 120)
+    time.sleep(0.1)
+    _kill(sender)
+    killed = time.time()
+    for i, p in enumerate(procs):
+        try:
+            p.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            p.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            p.proc.kill()
+            raise AssertionError(f"worker {i} still runs after its run_s (sender killed at {killed}); its lines: "
+                                 f"{p.lines(30)}; its threads:\n" + (tmp_path / f"stacks{i}.txt").read_text()[-8000:]
+                                 ) from None
+    for p in procs:
+        lines = p.lines()
+        done = lines[-1]
+        assert done["event"] == "done", lines
+        errors = [line for line in lines if line["event"] == "error"]
+        assert all(e["type"] == "TransportError" for e in errors), errors
+        applied = [line for line in lines if line["event"] == "applied"]
+        assert applied[-1]["version"] >= 2 and done["version"] == applied[-1]["version"], lines
+        assert done["lo"] == done["hi"] == float(done["version"]), done  # never a half-written version
+        assert done["slowest"] < 0.5 + 10.0, done
+
+
+def test_a_stopped_worker_is_given_up_and_joins_again_when_it_resumes(workers):
+    """Worker 1 of 2 is stopped (SIGSTOP: a hung process, a long pause) before a send: the send
+    names it alone once its heartbeat has been silent for ``heartbeat_timeout``, worker 0 holds
+    the version, later sends to worker 0 work; once worker 1 resumes (SIGCONT) it joins again by
+    itself and ends on the newest version."""
+    scheme, w = _sender(2, "kib10")
+    config = {"options": scheme.transport.options, "variant": "kib10", "until": 3, "run_s": 120}
+    procs = [workers({**config, "idx": i}) for i in range(2)]
+    tails = [Tail(p) for p in procs]
+    try:
+        scheme.connect()
+        procs[1].proc.send_signal(signal.SIGSTOP)
+        _fill(w, 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=SEND_TIMEOUT)
+        _names_only(info, [1], t0)
+        tails[0].applied(1, 60)
+        _fill(w, 2)
+        assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == 2
+        procs[1].proc.send_signal(signal.SIGCONT)
+        tails[1].applied(2, 60)
+        _fill(w, 3)
+        assert scheme.send(timeout=SEND_TIMEOUT) == 3
+    finally:
+        procs[1].proc.send_signal(signal.SIGCONT)
+        scheme.shutdown()
+    for tail in tails:
+        applied = [line["version"] for line in tail.lines() if line["event"] == "applied"]
+        assert applied == sorted(set(applied)) and applied[-1] == 3, applied
 
 
 @pytest.mark.parametrize("variant", ["other"])

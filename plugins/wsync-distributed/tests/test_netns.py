@@ -1,24 +1,38 @@
-"""A receiver on another "host": its own network namespace, on a bridge with this process (root only)."""
+"""Receivers on other "hosts": network namespaces on a bridge with this process (root only). One
+receiver gets versions across the bridge; one whose link is cut mid-send is named within the
+send's timeout while the other is updated, and once its link is back it joins again and gets the
+newest version."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 from wsync_conformance import netns
-from wsync_core import WeightSyncScheme
+from wsync_core import WeightSyncScheme, WorkerTimeoutError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_worker import send_versions, weights  # noqa: E402
+from tail import Tail  # noqa: E402
+
+#: seconds a worker may stay silent before the sender gives it up
+HEARTBEAT = 1.5
+#: the send's timeout: a cut-off worker must be named well within it
+SEND_TIMEOUT = 30.0
+
+
+def _hosts(n: int):
+    if (reason := netns.available()) is not None:
+        pytest.skip(reason)
+    return netns.hosts(n, local=True)
 
 
 @pytest.fixture
 def hosts():
     """This process (the sender) and a namespace (the receiver) on one bridge."""
-    if (reason := netns.available()) is not None:
-        pytest.skip(reason)
-    with netns.hosts(2, local=True) as pair:
+    with _hosts(2) as pair:
         yield pair
 
 
@@ -31,3 +45,58 @@ def test_receiver_in_another_namespace(hosts, workers):
     applied = send_versions(scheme, w, proc, [1, 2])
     assert [line["version"] for line in applied] == [0, 1, 2]
     assert applied[-1]["sum"] == 2.0 * 32
+
+
+@pytest.mark.parametrize("size", ["64MiB", "256MiB"])
+def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request, size):
+    """Worker 1's link goes down (no reset reaches anyone) right after a send of ``size`` starts:
+    that send (or the next, if worker 1 had it already) names worker 1 alone within its timeout,
+    worker 0 holds the version; once the link is back, worker 1 joins again by itself and gets
+    the newest version, and sends to both succeed."""
+    if size != "64MiB" and not request.config.getoption("wsync_thorough"):
+        pytest.skip("runs only with --thorough")
+    variant = f"big{size[:-3]}"
+    with _hosts(3) as (here, a, b):
+        scheme = WeightSyncScheme("distributed", timeout=90.0, host=here.address, backend="gloo",
+                                  heartbeat_timeout=HEARTBEAT)
+        w = weights(variant, 0.0)
+        scheme.init_on_sender(weights=w, num_workers=2)
+        config = {"options": scheme.transport.options, "variant": variant, "until": 4, "run_s": 180,
+                  "keep_going": True}  # receive() raises TransportError while the sender is out of reach
+        tails = [Tail(workers({**config, "idx": i}, prefix=host.prefix)) for i, host in enumerate((a, b))]
+        try:
+            scheme.connect()
+            w["w"].fill_(1.0)
+            handle = scheme.send_async()
+            b.cut()
+            t0 = time.monotonic()
+            named = None
+            try:
+                handle.wait(SEND_TIMEOUT)
+            except WorkerTimeoutError as exc:
+                named = exc
+            tails[0].applied(1, 60)
+            if named is None:  # worker 1 had version 1 before its link went down: the next send names it
+                w["w"].fill_(2.0)
+                t0 = time.monotonic()
+                with pytest.raises(WorkerTimeoutError) as info:
+                    scheme.send(timeout=SEND_TIMEOUT)
+                named = info.value
+                tails[0].applied(2, 60)
+            assert named.workers == [1], named
+            assert time.monotonic() - t0 < SEND_TIMEOUT + 10.0
+            newest = scheme.version
+            b.restore()
+            tails[1].applied(newest, 120)  # joined again by itself, got the newest version
+            while scheme.version < 4:  # to both
+                w["w"].fill_(float(scheme.version + 1))
+                assert scheme.send(timeout=SEND_TIMEOUT) == scheme.version
+        finally:
+            b.restore()
+            scheme.shutdown()
+        for tail in tails:
+            lines = tail.lines()
+            applied = [line for line in lines if line["event"] == "applied"]
+            assert applied[-1]["version"] == 4 and applied[-1]["lo"] == applied[-1]["hi"] == 4.0, applied
+            versions = [line["version"] for line in applied]
+            assert versions == sorted(set(versions)), versions

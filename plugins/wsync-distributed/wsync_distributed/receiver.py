@@ -1,15 +1,22 @@
-"""A worker's side: a background thread takes part in the sender's broadcasts into the worker's
-own receive buffers (never the model), so the sender never waits for ``receive()``; a buffer is
-handed to the core only once the sender's ``commit`` for it arrives (never for an aborted or
-half-received one), and ``recv`` gives the core the newest.
+"""A worker's side: a background thread takes part in the broadcasts on this worker's link (a
+group of two ranks: the sender and this worker) into the worker's own receive buffers (never the
+model), so the sender never waits for ``receive()``; a buffer is handed to the core only once the
+sender's ``commit`` for it arrives (never for an aborted or half-received one). The mailbox keeps
+only the newest: a worker that stops calling ``receive()`` applies the newest version when it
+resumes, never the ones that arrived meanwhile.
+
+A heartbeat thread bumps this worker's counter in the store and reads whether the sender gave
+this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
+reachable again (a link restored, a broadcast that failed) it gets the newest version. A sender
+that dies makes ``recv`` raise TransportError (its store is gone); one that shuts down makes it
+return None at once.
 
 Deliveries are adoptable: the core makes the model's tensors views of the buffer instead of
-copying it, and releases it once the model moved on to a newer version. A buffer the core holds
-is never written; the pool grows to at most ``_POOL`` = 4 buffers (the one the model views, one
-the core is applying, one delivered but not yet taken, one being filled), enough for every order
-of events the core produces, and usually holds 2. Were all 4 held, the thread would wait for a
-release, and after ``collective_timeout`` receive into a scratch buffer it drops (the collective
-must complete; the sender then sees no ack).
+copying it, and releases it once the model moved on. A buffer the core holds is never written;
+the pool grows to at most ``_POOL`` = 4 buffers (the one the model views, one the core is
+applying, one delivered but not yet taken, one being filled) and usually holds 2. Were all 4
+held, the thread would wait for a release, and after ``collective_timeout`` receive into a
+scratch buffer it drops (the collective must complete; the sender then sees no ack).
 """
 
 from __future__ import annotations
@@ -17,16 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from wsync_core import Deadline, Delivery, ReceiverContext, ReceiverEndpoint, TransportError
+from wsync_core import Deadline, Delivery, ReceiverContext, TransportError
+from wsync_core.endpoints import ReceiverBase
 
 from . import wire
 from .config import Config
 
-__all__ = ["DistributedReceiver"]
+__all__ = ["DistributedReceiver", "HEARTBEAT_S"]
 
 log = logging.getLogger("wsync.distributed")
 
@@ -36,8 +46,9 @@ HEARTBEAT_S = 0.2
 _POOL = 4
 
 
-class DistributedReceiver(ReceiverEndpoint):
+class DistributedReceiver(ReceiverBase):
     def __init__(self, cfg: Config, ctx: ReceiverContext) -> None:
+        super().__init__(f"distributed worker {ctx.worker_idx}", ctx)
         self.cfg = cfg
         self.worker = ctx.worker_idx
         self.nbytes = ctx.layout.nbytes
@@ -48,85 +59,56 @@ class DistributedReceiver(ReceiverEndpoint):
         else:
             self.device = torch.device("cpu")
         self.inbox = uuid.uuid4().hex
-        self.cond = threading.Condition()
+        self.evicted = ""  # the inbox the sender gave up, once the heartbeat thread saw it
+        self.beat_at = time.monotonic()  # when a heartbeat last reached the sender's store
         self.pool: list[torch.Tensor] = []
-        self.held: set[int] = set()
-        self.ready: tuple[int | None, bytes] | None = None  # (slot or None for header-only, header)
+        self.held: set[int] = set()  # slots the core holds, or that wait in the mailbox or for a commit
         self.filled: tuple[int, int] | None = None  # (seq, slot): received in full, not yet committed
-        self.error: str | None = None
-        self.bye = False
-        self.closing = False
-        self.woken = False  # the scheme is shutting down: recv returns at once
         self.stopped = threading.Event()
+        self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.link: tuple[str, dist.ProcessGroup] | None = None
 
     # -- the core's calls ------------------------------------------------------------------
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
         self.store = wire.connect(self.cfg, deadline)
-        self.store.add(wire.heartbeat_key(self.worker), 1)
-        for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
-            thread = threading.Thread(target=target, args=(wire.clone(self.store),),
-                                      name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
-            thread.start()
-            self.threads.append(thread)
-        join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes}).encode()
-        self.store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
-
-    def recv(self, deadline: Deadline) -> Delivery | None:
-        with self.cond:
-            while self.ready is None:
-                if self.error is not None:
-                    raise TransportError(f"distributed worker {self.worker}: {self.error}")
-                if deadline.expired() or self.bye or self.woken:
-                    return None
-                self.cond.wait(deadline.slice(1.0))
-            slot, header = self.ready
-            self.ready = None
-            if slot is None:
-                return Delivery(header, torch.empty(0, dtype=torch.uint8))
-            self.held.add(slot)
-            return Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True)
-
-    def wake(self) -> None:
-        with self.cond:
-            self.woken = True
-            self.cond.notify_all()
+        try:
+            self.store.add(wire.heartbeat_key(self.worker), 1)
+            for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
+                thread = threading.Thread(target=target, args=(wire.clone(self.store),),
+                                          name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
+                thread.start()
+                self.threads.append(thread)
+            self._join(self.store)
+        except RuntimeError as exc:
+            raise TransportError(f"{self.what}: cannot join the sender at {self.cfg.host}:{self.cfg.port}: "
+                                 f"{wire.brief(exc)}") from exc
 
     def ack(self, data: bytes) -> None:
-        if self.store is None:
-            raise TransportError(f"distributed worker {self.worker}: ack() after close()")
+        self.check_open()
         try:
             self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker, bytes(data)))
         except RuntimeError as exc:
-            raise TransportError(f"distributed worker {self.worker}: cannot reach the sender's store at "
+            raise TransportError(f"{self.what}: cannot reach the sender's store at "
                                  f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
 
-    def close(self) -> None:
-        with self.cond:
-            if self.closing:
-                return
-            self.closing = True
-            self.cond.notify_all()
+    def stop(self) -> None:
         self.stopped.set()
         store = self.store
         if store is not None and not self.bye:  # after "bye" the store is gone (its client would log errors)
             try:
                 store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker, b"receiver shut down"))
-                stop = wire.encode_control(wire.Control(kind="stop"))
-                store.queue_push(wire.inbox_key(self.inbox), stop)
+                store.queue_push(wire.inbox_key(self.inbox), wire.encode_control(wire.Control(kind="stop")))
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
-                log.debug("distributed worker %d: goodbye failed: %s", self.worker, wire.brief(exc))
+                log.debug("%s: goodbye failed: %s", self.what, wire.brief(exc))
+        self._drop_link()
         for thread in self.threads:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
-                log.warning("distributed worker %d: thread %s did not stop", self.worker, thread.name)
+                log.warning("%s: thread %s did not stop", self.what, thread.name)
         self.threads.clear()
-        for group in self.groups.values():
-            _abort(group)
-        self.groups.clear()
-        self.pool.clear()
+        self.link = None
         self.store = None
 
     # -- buffers ---------------------------------------------------------------------------
@@ -135,130 +117,189 @@ class DistributedReceiver(ReceiverEndpoint):
             self.held.discard(slot)
             self.cond.notify_all()
 
+    def _drop_filled(self) -> None:
+        with self.cond:
+            filled, self.filled = self.filled, None
+            if filled is not None:
+                self.held.discard(filled[1])
+                self.cond.notify_all()
+
+    def _cut_off(self) -> bool:
+        """Whether the sender's store has been out of reach for twice ``heartbeat_timeout``: the
+        sender is dead, or cut off and has given this worker up already."""
+        return time.monotonic() - self.beat_at > 2 * self.cfg.heartbeat_timeout
+
     def _slot(self) -> int | None:
-        """A buffer to fill: free, else new (up to ``_POOL``), else the undelivered ready one (dropped:
-        only the newest counts), else one the core releases in time. None: no buffer freed up."""
+        """A buffer to fill, marked held: free, else new (up to ``_POOL``), else one the core
+        releases in time. None: none freed up, or the sender is out of reach."""
         deadline = Deadline(self.cfg.timeout)
         with self.cond:
-            self.filled = None  # the sender moved on: what it left uncommitted is dead
             while True:
-                ready = self.ready[0] if self.ready is not None else None
-                for i in range(len(self.pool)):
-                    if i not in self.held and i != ready:
-                        return i
-                if len(self.pool) < _POOL:
+                slot = next((i for i in range(len(self.pool)) if i not in self.held), None)
+                if slot is None and len(self.pool) < _POOL:
                     self.pool.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
-                    return len(self.pool) - 1
-                if ready is not None:
-                    self.ready = None
-                    return ready
-                if deadline.expired() or self.closing:
+                    slot = len(self.pool) - 1
+                if slot is not None:
+                    self.held.add(slot)
+                    return slot
+                if deadline.expired() or self.stopped.is_set() or self._cut_off():
                     return None
                 self.cond.wait(deadline.slice(1.0))
 
-    def _deliver(self, slot: int | None, header: bytes) -> None:
-        with self.cond:
-            self.ready = (slot, header)
-            self.cond.notify_all()
-
-    def _commit(self, seq: int, header: bytes) -> None:
-        """Deliver the bytes of ``seq`` with ``header``, if this worker received all of them."""
-        with self.cond:
-            filled, self.filled = self.filled, None
-            if filled is None or filled[0] != seq:
-                log.debug("distributed worker %d: commit of %d, but this worker holds %s", self.worker, seq, filled)
-                return
-            self.ready = (filled[1], header)
-            self.cond.notify_all()
+    def _deliver(self, slot: int, header: bytes) -> None:
+        self.put(Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True))
 
     # -- threads ---------------------------------------------------------------------------
-    def _beat(self, store: dist.Store) -> None:
+    def _join(self, store: dist.Store) -> None:
+        """Announce this worker under the current inbox (the sender then sees ``Joined``)."""
+        join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes}).encode()
+        store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
+
+    def _beat(self, store: dist.Store | None) -> None:
+        """Bump the heartbeat; note an eviction. A store call that fails (a cut link, a sender
+        gone) is retried on a new connection, each call and connect bounded, so beats resume once
+        the link is back and ``close`` never waits long for this thread."""
         key = wire.heartbeat_key(self.worker)
+        wait = max(1.0, self.cfg.heartbeat_timeout)
+        if store is not None:
+            store.set_timeout(timedelta(seconds=wait))
         while not self.stopped.wait(HEARTBEAT_S):
             try:
+                if store is None:
+                    store = wire.connect(self.cfg, Deadline(wait))
+                    store.set_timeout(timedelta(seconds=wait))
                 store.add(key, 1)
-            except RuntimeError as exc:
-                log.debug("distributed worker %d: heartbeat stopped: %s", self.worker, wire.brief(exc))
-                return
-
-    def _fail(self, message: str) -> None:
-        with self.cond:
-            if not self.closing:
-                self.error = message
-            self.cond.notify_all()
+                self.beat_at = time.monotonic()
+                inbox = self.inbox
+                if inbox != self.evicted and store.check([wire.evict_key(inbox)]):
+                    log.warning("%s: the sender gave this worker up; joining again", self.what)
+                    self.evicted = inbox
+            except (RuntimeError, TransportError) as exc:
+                log.debug("%s: heartbeat failed: %s", self.what, wire.brief(exc))
+                store = None
 
     def _receive(self, store: dist.Store) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        key = wire.inbox_key(self.inbox)
-        while not self.closing:
+        while not self.stopped.is_set():
+            if self.evicted == self.inbox:
+                store = self._rejoin()
+                if store is None:
+                    return
+                continue
             try:
-                raw = store.queue_pop(key, True)
+                raw = store.queue_pop(wire.inbox_key(self.inbox), True)
             except RuntimeError as exc:
                 if isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower():
                     continue
-                self._fail(f"lost the sender's store at {self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}")
-                return
+                if not self.stopped.is_set():  # the sender died, or this connection broke: join again
+                    log.warning("%s: lost the sender's store at %s:%d: %s", self.what, self.cfg.host, self.cfg.port,
+                                wire.brief(exc))
+                    self.evicted = self.inbox
+                continue
             try:
                 ctl, header = wire.decode_control(raw)
             except TransportError as exc:
-                log.warning("distributed worker %d: ignoring a bad control message: %s", self.worker, exc)
+                log.warning("%s: ignoring a bad control message: %s", self.what, exc)
                 continue
-            if ctl.kind == "bye":  # the sender's store closes next: stop using it
-                with self.cond:
-                    self.bye = True
-                    self.cond.notify_all()
+            if ctl.kind == "bye":  # the sender's store closes next: stop using it; recv returns None
+                self.bye = True
                 self.stopped.set()
+                self.wake()
                 return
             if ctl.kind == "stop":
                 continue
-            if ctl.kind == "commit":
-                self._commit(ctl.seq, header)
-                continue
-            if ctl.kind == "abort":
+            if ctl.kind == "evict":
+                self.evicted = self.inbox
+            elif ctl.kind == "commit":
+                with self.cond:
+                    filled, self.filled = self.filled, None
+                if filled is not None and filled[0] == ctl.seq:
+                    self._deliver(filled[1], header)
+                elif filled is not None:
+                    self._release(filled[1])
+            elif ctl.kind == "abort":
                 with self.cond:
                     if self.filled is not None and self.filled[0] == ctl.seq:
-                        self.filled = None
+                        self._drop_filled()
+            elif ctl.group is None or ctl.nbytes != self.nbytes:
+                self._drop_filled()
+                self.put(Delivery(header, torch.empty(0, dtype=torch.uint8)))  # the core reports the mismatch
+            else:
+                self._take_part(store, ctl, header)
+
+    def _rejoin(self) -> dist.Store | None:
+        """The sender gave this worker up, or its link failed: drop the link and what it
+        half-delivered, then join again under a fresh inbox over a new store connection (returned;
+        None once closing). Until that succeeds, ``recv`` raises TransportError (the sender is dead
+        or out of reach); each try is bounded, so a dead sender never stalls this thread."""
+        self._drop_link()
+        self._drop_filled()
+        self.inbox = uuid.uuid4().hex
+        wait = max(1.0, self.cfg.heartbeat_timeout)
+        while not self.stopped.is_set():
+            try:
+                store = wire.connect(self.cfg, Deadline(wait))
+                self._join(store)
+            except (RuntimeError, TransportError) as exc:
+                self.fail(f"the sender's store at {self.cfg.host}:{self.cfg.port} is out of reach (the sender "
+                          f"died, or the link is cut): {wire.brief(exc)}")
+                self.stopped.wait(HEARTBEAT_S)
                 continue
-            for name in [n for n in self.groups if n not in ctl.live and n != ctl.group]:
-                _abort(self.groups.pop(name))
-            if ctl.group is None or ctl.nbytes != self.nbytes:
-                with self.cond:
-                    self.filled = None
-                self._deliver(None, header)  # header only: the core reports the mismatch
-                continue
-            self._take_part(store, ctl, header)
+            self.clear_failure()
+            return store
+        return None
+
+    def _drop_link(self, slot: int | None = None, works: list | None = None) -> None:
+        """Forget the link; a thread of its own aborts it and lets go of its ``works`` (gloo may wait
+        for a peer that is gone in either), then frees ``slot``, which those works may write until then."""
+        link, self.link = self.link, None
+        if link is None and works is None:
+            if slot is not None:
+                self._release(slot)
+            return
+        pending = [works]  # the last reference: dropped in the reaper, never in the receive thread
+
+        def reap() -> None:
+            if link is not None:
+                _abort(link[1])
+            _settle(pending.pop() or [], self.cfg.timeout)
+            if slot is not None:
+                self._release(slot)
+
+        threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True).start()
 
     def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
         """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if
-        ``header`` came with it, else it waits there for its commit."""
-        if self.worker not in ctl.members:
-            log.warning("distributed worker %d: group %s does not list this worker", self.worker, ctl.group)
-            with self.cond:
-                self.filled = None
-            return
-        rank = ctl.members.index(self.worker) + 1
+        ``header`` came with it, else it waits there for its commit. If the link fails, join again."""
+        self._drop_filled()  # the sender moved on: what it left uncommitted is dead
         slot = self._slot()
         if slot is None:  # the collective must still complete: receive into scratch, deliver nothing
-            log.warning("distributed worker %d: all %d receive buffers are held; dropping version seq %d",
-                        self.worker, _POOL, ctl.seq)
+            log.warning("%s: all %d receive buffers are held; dropping the version numbered %d", self.what,
+                        _POOL, ctl.seq)
             buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         else:
             buffer = self.pool[slot]
+        inbox = self.inbox
+        works: list = []
+        error = ""
         try:
-            group = self.groups.get(ctl.group)
-            if group is None:
-                group = self.groups[ctl.group] = wire.new_group(self.cfg, store, ctl.group, rank,
-                                                                len(ctl.members) + 1)
+            if self.link is None or self.link[0] != ctl.group:
+                self._drop_link()
+                self.link = (ctl.group, wire.new_group(self.cfg, store, ctl.group, 1))
             if self.nbytes:
-                works = wire.broadcast(group, buffer, ctl.spans())
-                wire.wait_works(works, Deadline(self.cfg.timeout), f"group {ctl.group}", lambda: self.closing,
+                works = wire.broadcast(self.link[1], buffer, ctl.spans())
+                wire.wait_works(works, Deadline(self.cfg.timeout), f"link {ctl.group}",
+                                lambda: self.stopped.is_set() or self.evicted == inbox or self._cut_off(),
                                 self.device.type == "cuda")
         except (RuntimeError, TransportError) as exc:
-            log.warning("distributed worker %d: broadcast in group %s failed: %s", self.worker, ctl.group, wire.brief(exc))
-            group = self.groups.pop(ctl.group, None)
-            if group is not None:
-                _abort(group)
+            error = wire.brief(exc)  # a string: the traceback would keep the works alive in this thread
+        if error:
+            self._drop_link(slot, works)
+            del works
+            if not self.stopped.is_set():
+                log.warning("%s: link %s failed: %s; joining again", self.what, ctl.group, error)
+                self.evicted = inbox
             return
         if slot is None:
             return
@@ -269,8 +310,16 @@ class DistributedReceiver(ReceiverEndpoint):
                 self.filled = (ctl.seq, slot)
 
 
+def _settle(works: list, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until every work has ended, whether it failed or not."""
+    end = time.monotonic() + timeout
+    for work in works:
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.005)
+
+
 def _abort(group: dist.ProcessGroup) -> None:
     try:
         group.abort()
     except RuntimeError as exc:
-        log.debug("distributed: aborting a group: %s", wire.brief(exc))
+        log.debug("distributed: aborting a link: %s", wire.brief(exc))

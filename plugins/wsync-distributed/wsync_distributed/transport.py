@@ -1,10 +1,12 @@
 """``DistributedTransport``: options, and where they come from (explicit, or a launcher's environment).
 
 The sender (rank 0) hosts a ``TCPStore`` at ``host:port``; receiver ``i`` is rank ``i + 1``.
-Nothing here touches torch.distributed's default process group. The sender streams: it broadcasts
-each bucket of a snapshot while the core copies the next, and the core's header follows the bytes
-in a ``commit`` once the core published them; receivers hand the core their own receive buffers,
-which the model adopts instead of copying (see ``wire``, ``sender`` and ``receiver``).
+Nothing here touches torch.distributed's default process group: each worker gets its own link
+(a two-rank group with the sender) and its own sending thread, so a dead, slow or cut-off worker
+stalls no other. The sender streams: each link sends bucket k of a snapshot while the core copies
+the next, and the core's header follows the bytes in a ``commit`` once the core published them;
+receivers hand the core their own receive buffers, which the model adopts instead of copying
+(see ``wire``, ``sender`` and ``receiver``).
 """
 
 from __future__ import annotations
@@ -45,18 +47,18 @@ def _local_address(host: str, port: int) -> str:
 
 
 class DistributedTransport(Transport):
-    """Weights over torch.distributed: a private Gloo (CPU) or NCCL (CUDA) group, never the default one.
+    """Weights over torch.distributed: private Gloo (CPU) or NCCL (CUDA) links, never the default group.
 
     Options: ``backend`` ("gloo" | "nccl"), ``host`` and ``port`` of the sender's store (default
     127.0.0.1 and a free port, or ``MASTER_ADDR`` and ``MASTER_PORT + 1`` under torchrun),
     ``world_size`` (num_workers + 1) and ``rank`` (sender 0, worker i is i + 1; both checked, and
     read from ``WORLD_SIZE``/``RANK`` when not given), ``bucket_mb`` (size of each broadcast; the
     first is at most 8 MiB, so a streamed snapshot starts moving early),
-    ``collective_timeout`` (seconds, for every collective and group set-up; the scheme's own
-    ``timeout`` bounds the calls), ``heartbeat_timeout`` (seconds
-    of silence after which a worker counts as dead), ``bind`` (this process's address for data
-    connections; default: the interface that routes to ``host``), ``devices`` (Gloo connections
-    per peer), ``stream`` (broadcast a snapshot while the core still copies it; off, the copy
+    ``collective_timeout`` (seconds, for every collective and link set-up; the scheme's own
+    ``timeout`` bounds the calls), ``heartbeat_timeout`` (seconds of heartbeat silence after
+    which a worker is given up: reported Left, asked to join again), ``bind`` (this process's
+    address for data connections; default: the interface that routes to ``host``), ``devices``
+    (Gloo connections per link), ``stream`` (broadcast a snapshot while the core still copies it; off, the copy
     finishes first: better only where the copy and the network compete for too few cores),
     ``checksum`` (implies no streaming: the core checksums the whole payload first).
     """

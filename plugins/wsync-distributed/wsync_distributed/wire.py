@@ -1,10 +1,11 @@
-"""What crosses the store (events, control messages) and the process groups (bucketed broadcasts).
+"""What crosses the store (events, control messages) and the links (bucketed broadcasts).
 
 Receivers push events (join, ack, leave) onto one store queue the sender pops; the sender pushes
 control messages onto each receiver's inbox queue, which the receiver handles in order:
 
-- ``data`` (group, members, size, buckets, ``seq``): take part in a bucketed broadcast of the
-  buffer contents numbered ``seq``. If the core's header comes with it (the buffer was published
+- ``data`` (link, size, buckets, ``seq``): take part in a bucketed broadcast of the buffer
+  contents numbered ``seq`` over the link (a process group of two ranks: the sender, rank 0, and
+  this receiver, rank 1). If the core's header comes with it (the buffer was published
   before the broadcast began), deliver the bytes once all arrived; else wait for the commit.
   With no group it carries a header only (a receiver whose model does not fit), delivered at
   once so the core can reject it;
@@ -13,7 +14,13 @@ control messages onto each receiver's inbox queue, which the receiver handles in
   buffer (as is a header inside ``data``), so a snapshot the core abandoned half-written is
   never delivered;
 - ``abort`` (``seq``): drop the bytes of ``seq`` (the sender's core abandoned that snapshot);
+- ``evict`` (the sender gave this receiver up: its link failed or its heartbeat went silent; the
+  receiver joins again under a new inbox, so it gets the newest version once it is reachable);
 - ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down).
+
+Each receiver bumps its heartbeat counter in the store; the sender also sets an ``evict`` key for
+an inbox it gave up, which the receiver's heartbeat thread reads (its receive thread may be stuck
+in a broadcast on a link that was cut).
 
 Both directions are length-checked bytes and JSON; nothing is unpickled. Payload bytes travel
 only through broadcasts.
@@ -40,7 +47,7 @@ from .config import Config
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
-    "inbox_key", "heartbeat_key", "encode_event", "decode_event", "encode_control", "decode_control",
+    "inbox_key", "heartbeat_key", "evict_key", "encode_event", "decode_event", "encode_control", "decode_control",
     "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS", "spans",
 ]
 
@@ -68,6 +75,11 @@ def heartbeat_key(worker: int) -> str:
     return f"hb/{worker}"
 
 
+def evict_key(inbox: str) -> str:
+    """Set by the sender once it gave up the receiver reading ``inbox``."""
+    return f"evict/{inbox}"
+
+
 def encode_event(kind: bytes, worker: int, data: bytes = b"") -> bytes:
     return kind + struct.pack(">I", worker) + data
 
@@ -84,19 +96,17 @@ def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
 
 
 #: the kinds of control message (see the module's docstring)
-KINDS = ("data", "commit", "abort", "stop", "bye")
+KINDS = ("data", "commit", "abort", "evict", "stop", "bye")
 
 
 @dataclass(frozen=True)
 class Control:
-    """One message to one receiver: for ``data``, which group broadcasts the bytes numbered ``seq``
+    """One message to one receiver: for ``data``, which link broadcasts the bytes numbered ``seq``
     (None: header only) and their size; for ``commit``/``abort``, which bytes it is about."""
 
     group: str | None = None
-    members: tuple[int, ...] = ()
     nbytes: int = 0
     bucket: int = 1
-    live: tuple[str, ...] = ()
     kind: str = "data"
     seq: int = 0
     first: int = 0  # the first bucket's size (0: ``bucket``), so a stream can start sending early
@@ -120,8 +130,8 @@ def spans(nbytes: int, bucket: int, first: int = 0) -> list[tuple[int, int]]:
 
 def encode_control(ctl: Control, header: bytes = b"") -> bytes:
     """The wire form of ``ctl`` followed by ``header`` (for ``commit`` and header-only ``data``)."""
-    body = json.dumps({"k": ctl.kind, "g": ctl.group, "m": list(ctl.members), "n": ctl.nbytes, "b": ctl.bucket,
-                       "l": list(ctl.live), "s": ctl.seq, "f": ctl.first}, separators=(",", ":")).encode()
+    body = json.dumps({"k": ctl.kind, "g": ctl.group, "n": ctl.nbytes, "b": ctl.bucket, "s": ctl.seq,
+                       "f": ctl.first}, separators=(",", ":")).encode()
     return struct.pack(">I", len(body)) + body + header
 
 
@@ -134,16 +144,15 @@ def decode_control(raw: bytes) -> tuple[Control, bytes]:
         raise TransportError(f"control message claims a {n}-byte body")
     obj: Any = decode_json(raw[4:4 + n], "control message", 64 * 1024)
     try:
-        ctl = Control(group=obj["g"], members=tuple(obj["m"]), nbytes=obj["n"], bucket=obj["b"],
-                      live=tuple(obj["l"]), kind=obj["k"], seq=obj["s"], first=obj["f"])
+        ctl = Control(group=obj["g"], nbytes=obj["n"], bucket=obj["b"], kind=obj["k"], seq=obj["s"],
+                      first=obj["f"])
     except (ValueError, KeyError, TypeError) as exc:
         raise TransportError(f"malformed control message: {exc}") from None
-    ok = (ctl.kind in KINDS and (ctl.group is None or isinstance(ctl.group, str))
+    ok = (isinstance(ctl.kind, str) and ctl.kind in KINDS and (ctl.group is None or isinstance(ctl.group, str))
           and isinstance(ctl.seq, int) and not isinstance(ctl.seq, bool) and ctl.seq >= 0
           and isinstance(ctl.first, int) and not isinstance(ctl.first, bool) and ctl.first >= 0
-          and all(isinstance(m, int) and m >= 0 for m in ctl.members) and isinstance(ctl.nbytes, int)
-          and ctl.nbytes >= 0 and isinstance(ctl.bucket, int) and ctl.bucket > 0
-          and all(isinstance(g, str) for g in ctl.live))
+          and isinstance(ctl.nbytes, int) and not isinstance(ctl.nbytes, bool) and ctl.nbytes >= 0
+          and isinstance(ctl.bucket, int) and not isinstance(ctl.bucket, bool) and ctl.bucket > 0)
     if not ok:
         raise TransportError(f"malformed control message: {raw[4:4 + n][:200]!r}")
     return ctl, raw[4 + n:]
@@ -177,15 +186,17 @@ def connect(cfg: Config, deadline: Deadline) -> dist.Store:
     return dist.PrefixStore(cfg.prefix, store)
 
 
-def clone(store: dist.Store) -> dist.Store:
-    """Another connection to the same store, for one more thread (a store client blocks while it waits)."""
+def clone(store: dist.Store, timeout: timedelta = _POP_TIMEOUT) -> dist.Store:
+    """Another connection to the same store, for one more thread (a store client blocks while it
+    waits); each of its calls waits at most ``timeout``. Raises RuntimeError if it cannot connect."""
     other = store.clone()
-    other.set_timeout(_POP_TIMEOUT)
+    other.set_timeout(timeout)
     return other
 
 
-def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int) -> dist.ProcessGroup:
-    """A private process group ``name`` of ``size`` ranks, rendezvous through ``store``; never the default group."""
+def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int = 2) -> dist.ProcessGroup:
+    """A private process group ``name`` of ``size`` ranks (a link: 2), rendezvous through ``store``;
+    never the default group. Raises RuntimeError if a rank does not show up in time."""
     prefixed = dist.PrefixStore(f"pg/{name}/", store)
     timeout = timedelta(seconds=cfg.timeout)
     if cfg.backend == "gloo":  # connecting gets a shorter bound: a dead member must not stall set-up for long
