@@ -1,5 +1,10 @@
 """A worker's side: one DEALER socket connected to the sender, saying hello on every (re)connection.
 
+The worker asks for each version (a want, sent on its hello and whenever ``recv`` takes a
+delivery), so at most one delivery waits here while the worker is away (beyond the one it is
+reading). One that did wait is checked on the next ``recv`` with a probe: the sender answers with
+anything newer it holds, and only the newest is returned.
+
 Frames larger than this worker's model (or a generous header bound) are refused by libzmq
 before it allocates them; everything else is checked by ``wire.decode_delivery`` before the
 core sees it. The payload tensor reads the received frame in place.
@@ -16,7 +21,8 @@ from wsync_core.deadline import Deadline
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
-from .wire import ACK, BYE, HELLO, Hello, decode_delivery, header_limit, payload_tensor
+from .wire import (ACK, BYE, CURRENT, DATA, HELLO, NEWER, PROBE, WANT, Hello, decode_answer, decode_delivery,
+                   header_limit, payload_tensor)
 
 __all__ = ["ZmqReceiver"]
 
@@ -24,6 +30,9 @@ _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
 _BYE_LINGER_MS = 500
+#: how long ``recv`` waits for the answer to a probe, whatever its deadline (seconds); without one
+#: it returns the delivery it holds
+_PROBE_WAIT_S = 0.5
 
 
 class ZmqReceiver(ReceiverEndpoint):
@@ -38,6 +47,10 @@ class ZmqReceiver(ReceiverEndpoint):
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._connected = False
+        self._wanted = False  # a want or probe is out and no delivery answered it yet
+        self._probe = 0  # the number of the last probe sent
+        self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
+        self._mail: Delivery | None = None  # the newest delivery read and not yet returned
         self._woken = False
         self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
 
@@ -45,7 +58,7 @@ class ZmqReceiver(ReceiverEndpoint):
         opts = self._options
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.DEALER)
-        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=2)
+        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=4, sndhwm=64)
         if opts["curve_server_key"]:
             sock.curve_serverkey = opts["curve_server_key"].encode()
             if opts["curve_client_key"]:
@@ -64,14 +77,50 @@ class ZmqReceiver(ReceiverEndpoint):
         self._poller.register(self._wake_fd, zmq.POLLIN)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        if self._woken:
+            return None
+        self._pump()
+        if self._mail is not None and self._connected:
+            # it waited here while the worker was away: newer versions may wait at the sender
+            self._probe += 1
+            self._send([PROBE, str(self._probe).encode()], "probe")
+            self._wanted, self._answer = True, None
+            self._wait(Deadline(_PROBE_WAIT_S), lambda: self._answer is not None)
+            if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
+                self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
+            return self._take()
+        self._wait(deadline, lambda: self._mail is not None)
+        return self._take()
+
+    def _take(self) -> Delivery | None:
+        """The delivery to return, if any; asks for the next one at once (the worker now reads this one)."""
+        mail, self._mail = self._mail, None
+        self._want()
+        return mail
+
+    def _wait(self, deadline: Deadline, done) -> None:
+        """Read until ``done()``, the deadline or ``wake``."""
         while True:
-            if self._woken:
-                return None
-            self._read_monitor()
-            delivery = self._read()
-            if delivery is not None or deadline.expired():
-                return delivery
+            if done() or self._woken or deadline.expired():
+                return
             self._poller.poll(max(1, math.ceil(deadline.slice(1.0) * 1000)))
+            self._pump()
+
+    def _pump(self) -> None:
+        """Read the monitor and every message waiting; the newest delivery replaces an older one.
+        Asks for the next version when none is asked for and none is held (also when one was malformed)."""
+        try:
+            self._read_monitor()
+            while self._read():
+                pass
+        finally:
+            if self._mail is None:
+                self._want()
+
+    def _want(self) -> None:
+        if self._connected and not self._wanted and self._sock is not None:
+            self._send([WANT], "want")
+            self._wanted = True
 
     def wake(self) -> None:
         self._woken = True
@@ -88,8 +137,10 @@ class ZmqReceiver(ReceiverEndpoint):
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 self._send([HELLO, self._hello], "hello")
+                self._wanted = True  # a hello asks for the current version
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._wanted = False
                 self._reconnect()
             else:
                 curve = " (is curve_server_key the sender's public key, and is this worker's key allowed?)" \
@@ -110,12 +161,13 @@ class ZmqReceiver(ReceiverEndpoint):
         except zmq.ZMQError as exc:
             raise wrap(exc, f"worker {self._worker} reconnecting to {address}") from exc
 
-    def _read(self) -> Delivery | None:
+    def _read(self) -> bool:
+        """Read one message if one waits; False if none did. Raises TransportError if it is malformed."""
         sock = self._sock
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return None
+            return False
         frames = [first]
         extra = 0
         more = first.more
@@ -126,8 +178,16 @@ class ZmqReceiver(ReceiverEndpoint):
                 frames.append(part)
             else:
                 extra += 1
+        if len(frames) == 2 and bytes(memoryview(first)) in (CURRENT, NEWER):
+            kind, seq = decode_answer(frames, extra)
+            if seq == str(self._probe).encode() and self._answer is None:
+                self._answer = kind
+            return True
+        self._wanted = False  # the sender spent this worker's want on it, even if it is malformed
         header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
-        return Delivery(header, payload_tensor(payload))
+        self._mail = Delivery(header, payload_tensor(payload))
+        self._answer = DATA
+        return True
 
     def ack(self, data: bytes) -> None:
         self._send([ACK, data], "ack")

@@ -1,9 +1,10 @@
 """The trainer's side: one ROUTER socket; the snapshot goes out as a zero-copy frame to each worker.
 
 Workers are known by their hello, not by their socket identity: the newest hello for a worker
-wins, and only that connection's acks count. Each worker has at most one delivery in flight;
-a newer one waits (replacing any older waiting one) until the socket has sent the first, so a
-slow or silent worker holds at most one buffer and costs the others nothing.
+wins, and only that connection's acks count. A worker gets a version only when it asked for one
+(a want or a probe) and the socket has sent its previous one; until then the newest version waits
+here, replacing an older waiting one. So a slow or silent worker holds at most one delivery on its
+way and one waiting, and when it asks again it gets the newest.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from wsync_core.forked import close_inherited
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
-from .wire import ACK, BYE, DATA, HELLO, MAX_PEER_FRAME, decode_peer
+from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer
 
 __all__ = ["ZmqSender"]
 
@@ -47,6 +48,7 @@ class _Peer:
     rid: bytes
     fd: int
     fits: bool  # the worker's schema has the sender's digest: send it the payload
+    wants: bool = False  # it asked for a version and has not been sent one since
 
 
 class _AllowList:
@@ -100,7 +102,7 @@ class ZmqSender(SenderEndpoint):
         opts = self._options
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.ROUTER)
-        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100)
+        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if opts["curve_server_key"]:
             sock.curve_server = True
@@ -137,6 +139,7 @@ class ZmqSender(SenderEndpoint):
         return slot.tensor
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self._read_peers()  # the wants that came in since the last poll
         self._latest = buffer
         if not any(s.tensor is buffer for s in self._slots):
             self._slots.append(_Slot(buffer))
@@ -144,11 +147,17 @@ class ZmqSender(SenderEndpoint):
             if w not in self._peers:
                 log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
                 continue
-            tracker = self._inflight.get(w)
-            if tracker is not None and not tracker.done:
-                self._waiting[w] = (buffer, header)
-            else:
-                self._send(w, buffer, header)
+            self._waiting[w] = (buffer, header)  # replaces an older version waiting for it
+            self._flush(w)
+
+    def _flush(self, w: int) -> None:
+        """Send worker ``w`` its waiting version if it asked for one and its previous one left."""
+        peer = self._peers.get(w)
+        tracker = self._inflight.get(w)
+        if peer is None or not peer.wants or w not in self._waiting or tracker is not None and not tracker.done:
+            return
+        buffer, header = self._waiting.pop(w)
+        self._send(w, buffer, header)
 
     def _send(self, w: int, buffer: torch.Tensor, header: bytes) -> None:
         peer = self._peers[w]
@@ -171,6 +180,7 @@ class ZmqSender(SenderEndpoint):
             frame = zmq.Frame(b"", copy=False, track=True)
         tracker = sock.send(frame, copy=False, track=True)
         del frame  # the frame's own reference would keep its tracker pending
+        peer.wants = False
         self._inflight[w] = tracker
         for slot in self._slots:
             if slot.tensor is buffer:
@@ -180,16 +190,14 @@ class ZmqSender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         events = self._drain()
         while not events and not deadline.expired():
-            self._poller.poll(int(deadline.slice(0.02 if self._waiting else 1.0) * 1000))
+            owed = any(self._peers[w].wants for w in self._waiting if w in self._peers)
+            self._poller.poll(int(deadline.slice(0.02 if owed else 1.0) * 1000))
             events = self._drain()
         return events
 
     def _drain(self) -> list[Event]:
-        for w, (buffer, header) in list(self._waiting.items()):
-            tracker = self._inflight.get(w)
-            if tracker is None or tracker.done:
-                del self._waiting[w]
-                self._send(w, buffer, header)
+        for w in list(self._waiting):
+            self._flush(w)
         self._read_monitor()  # before peers: a connection's end is reported before a new hello
         self._read_peers()
         events, self._events = self._events, []
@@ -251,7 +259,8 @@ class ZmqSender(SenderEndpoint):
                 self._drop(stale, f"its connection now claims worker {w}")
             self._inflight.pop(w, None)
             self._waiting.pop(w, None)
-            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes)
+            # a hello asks for the current version
+            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes, True)
             self._workers[rid] = w
             self._events.append(Joined(w))
             return
@@ -262,8 +271,23 @@ class ZmqSender(SenderEndpoint):
             log.warning("zmq sender ignored an ack from peer %s, which has not said hello", rid.hex())
         elif msg.kind == ACK:
             self._events.append(Acked(w, msg.data))
+        elif msg.kind in (WANT, PROBE):
+            self._peers[w].wants = True
+            if msg.kind == PROBE:
+                self._answer(w, NEWER if w in self._waiting else CURRENT, msg.seq)
+            self._flush(w)
         elif msg.kind == BYE:
             self._drop(w, "receiver shut down")
+
+    def _answer(self, w: int, kind: bytes, seq: bytes) -> None:
+        """Tell worker ``w`` whether a newer version follows (NEWER) or not (CURRENT)."""
+        try:
+            self._sock.send_multipart([self._peers[w].rid, kind, seq], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("zmq sender: worker %d's queue is full; its probe goes unanswered", w)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise wrap(exc, f"answering worker {w}") from exc
 
     def _drop(self, w: int, reason: str) -> None:
         peer = self._peers.pop(w, None)
