@@ -29,24 +29,33 @@ def _weights(kib: int, fill: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((kib << 8,), fill, dtype=torch.float32)}  # float32: kib KiB
 
 
-def _wsync_worker(address: str, checksum: bool, kib: int) -> None:
+def _wsync_worker(address: str, checksum: bool, kib: int, profile: str | None = None) -> None:
     model = _weights(kib, 0.0)
     scheme = WeightSyncScheme("zmq", address=address, checksum=checksum, timeout=300.0)
     scheme.init_on_receiver(model=model, worker_idx=0)
     scheme.connect()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     while model["w"][0].item() >= 0:  # the sender's last version, all -1, says stop
         scheme.receive(timeout=5.0)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
     scheme.shutdown()
 
 
 class Wsync:
-    def __init__(self, kib: int, checksum: bool) -> None:
+    def __init__(self, kib: int, checksum: bool, profile: str | None = None) -> None:
         self.name = f"wsync zmq, checksum={checksum}" + (" (default)" if checksum else "")
         self.weights = _weights(kib, 1.0)
         self.scheme = WeightSyncScheme("zmq", checksum=checksum, timeout=300.0)
         self.scheme.init_on_sender(weights=self.weights, num_workers=1)
         self.proc = mp.get_context("spawn").Process(
-            target=_wsync_worker, args=(self.scheme.transport.options["address"], checksum, kib))
+            target=_wsync_worker, args=(self.scheme.transport.options["address"], checksum, kib, profile))
         self.proc.start()
         self.scheme.connect()
 
@@ -65,12 +74,12 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="update size in MiB (default 256)")
     parser.add_argument("--kib", type=int, default=None, help="update size in KiB (instead of --mib)")
     parser.add_argument("--repeats", type=int, default=9, help="timed round trips per row (default 9)")
-    parser.add_argument("--profile", default=None, help="write a cProfile of the default wsync rows here")
+    parser.add_argument("--profile", default=None, help="write a cProfile of the default wsync row's sender here (and of its worker to PATH.worker)")
     args = parser.parse_args()
     kib = args.kib if args.kib is not None else args.mib << 10
     size = f"{kib} KiB" if args.kib is not None else f"{args.mib} MiB"
     makers: list[Callable[[], object]] = [lambda: Raw(kib << 10), lambda: Wsync(kib, False),
-                                          lambda: Wsync(kib, True)]
+                                          lambda: Wsync(kib, True, args.profile and args.profile + ".worker")]
     profiler = None
     if args.profile:
         import cProfile

@@ -1,7 +1,7 @@
 """A worker's side: one DEALER socket connected to the sender, saying hello on every (re)connection.
 
-The worker asks for each version (a want, sent on its hello and whenever ``recv`` takes a
-delivery), so at most one delivery waits here while the worker is away (beyond the one it is
+The worker asks for each version (its hello, each ack, or a want when it waits with nothing
+asked for), so at most one delivery waits here while the worker is away (beyond the one it is
 reading). One that did wait is checked on the next ``recv`` with a probe: the sender answers with
 anything newer it holds, and only the newest is returned.
 
@@ -93,9 +93,7 @@ class ZmqReceiver(ReceiverEndpoint):
         return self._take()
 
     def _take(self) -> Delivery | None:
-        """The delivery to return, if any; asks for the next one at once (the worker now reads this one)."""
         mail, self._mail = self._mail, None
-        self._want()
         return mail
 
     def _wait(self, deadline: Deadline, done) -> None:
@@ -103,19 +101,16 @@ class ZmqReceiver(ReceiverEndpoint):
         while True:
             if done() or self._woken or deadline.expired():
                 return
+            if self._mail is None:  # about to block: make sure the sender knows this worker waits
+                self._want()
             self._poller.poll(max(1, math.ceil(deadline.slice(1.0) * 1000)))
             self._pump()
 
     def _pump(self) -> None:
-        """Read the monitor and every message waiting; the newest delivery replaces an older one.
-        Asks for the next version when none is asked for and none is held (also when one was malformed)."""
-        try:
-            self._read_monitor()
-            while self._read():
-                pass
-        finally:
-            if self._mail is None:
-                self._want()
+        """Read the monitor and every message waiting; the newest delivery replaces an older one."""
+        self._read_monitor()
+        while self._read():
+            pass
 
     def _want(self) -> None:
         if self._connected and not self._wanted and self._sock is not None:
@@ -164,6 +159,8 @@ class ZmqReceiver(ReceiverEndpoint):
     def _read(self) -> bool:
         """Read one message if one waits; False if none did. Raises TransportError if it is malformed."""
         sock = self._sock
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than raising zmq.Again
+            return False
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -184,13 +181,19 @@ class ZmqReceiver(ReceiverEndpoint):
                 self._answer = kind
             return True
         self._wanted = False  # the sender spent this worker's want on it, even if it is malformed
-        header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
+        try:
+            header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
+        except TransportError:
+            self._want()  # no ack follows: ask for the next version now
+            raise
         self._mail = Delivery(header, payload_tensor(payload))
         self._answer = DATA
         return True
 
     def ack(self, data: bytes) -> None:
+        """Send an ack, which also asks for the next version."""
         self._send([ACK, data], "ack")
+        self._wanted = self._connected
 
     def _send(self, parts: list[bytes], what: str) -> None:
         try:

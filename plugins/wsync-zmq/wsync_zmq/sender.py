@@ -27,6 +27,8 @@ from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, 
 
 __all__ = ["ZmqSender"]
 
+#: payloads up to this many bytes are copied into their frame (tracking a zero-copy frame costs more)
+_COPY_BELOW = 64 * 1024
 #: messages read from peers per poll at most (so a flood cannot starve the caller)
 _MAX_READS = 1000
 _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -174,13 +176,17 @@ class ZmqSender(SenderEndpoint):
             raise wrap(exc, f"sending to worker {w}") from exc
         sock.send(DATA, zmq.SNDMORE)
         sock.send(header, zmq.SNDMORE)
+        peer.wants = False
+        if peer.fits and buffer.numel() <= _COPY_BELOW:  # small: a copy is cheaper than tracking a frame
+            sock.send(buffer.numpy(), copy=True)
+            self._inflight.pop(w, None)
+            return
         if peer.fits:
             frame = zmq.Frame(buffer.numpy(), copy=False, track=True)
         else:  # the worker's schema differs: the header alone lets its core name the mismatch
             frame = zmq.Frame(b"", copy=False, track=True)
         tracker = sock.send(frame, copy=False, track=True)
         del frame  # the frame's own reference would keep its tracker pending
-        peer.wants = False
         self._inflight[w] = tracker
         for slot in self._slots:
             if slot.tensor is buffer:
@@ -269,8 +275,10 @@ class ZmqSender(SenderEndpoint):
             log.debug("zmq sender ignored a goodbye from peer %s, which is not a known worker", rid.hex())
         elif w is None:
             log.warning("zmq sender ignored an ack from peer %s, which has not said hello", rid.hex())
-        elif msg.kind == ACK:
+        elif msg.kind == ACK:  # an ack also asks for the next version
             self._events.append(Acked(w, msg.data))
+            self._peers[w].wants = True
+            self._flush(w)
         elif msg.kind in (WANT, PROBE):
             self._peers[w].wants = True
             if msg.kind == PROBE:

@@ -34,7 +34,7 @@ def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
     from zmq.utils.monitor import recv_monitor_message
 
     events = []
-    while monitor.poll(0):
+    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         events.append(recv_monitor_message(monitor))
     return events
 

@@ -5,6 +5,7 @@ the answer to probe ``seq``: ``[b"C", seq]`` (nothing newer) or ``[b"N", seq]`` 
 Receiver -> sender: ``[b"H", hello]`` on every (re)connection, ``[b"A", ack]``, ``[b"B"]`` on close,
 ``[b"W"]`` (a want: send me the next version) and ``[b"P", seq]`` (a probe: a want that asks for
 an answer now).
+A hello and an ack also count as a want.
 Flow control: the sender sends a worker a version only against a want, so at most one delivery is
 on its way to a worker and newer versions replace one another at the sender until it asks again.
 Nothing here unpickles; a malformed message raises TransportError and is dropped.
