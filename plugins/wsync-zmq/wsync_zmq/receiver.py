@@ -18,6 +18,7 @@ import os
 import zmq
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.endpoints import EndpointBase
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
@@ -35,8 +36,11 @@ _BYE_LINGER_MS = 500
 _PROBE_WAIT_S = 0.5
 
 
-class ZmqReceiver(ReceiverEndpoint):
+class ZmqReceiver(EndpointBase, ReceiverEndpoint):
+    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+
     def __init__(self, options: dict, ctx: ReceiverContext) -> None:
+        super().__init__(f"zmq receiver of worker {ctx.worker_idx}")
         self._options = options
         self._worker = ctx.worker_idx
         self._nbytes = ctx.layout.nbytes
@@ -51,11 +55,12 @@ class ZmqReceiver(ReceiverEndpoint):
         self._probe = 0  # the number of the last probe sent
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
         self._mail: Delivery | None = None  # the newest delivery read and not yet returned
-        self._woken = False
         self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
         opts = self._options
+        self._poller = zmq.Poller()
+        self._connected = self._wanted = False
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.DEALER)
         configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=4, sndhwm=64)
@@ -77,6 +82,7 @@ class ZmqReceiver(ReceiverEndpoint):
         self._poller.register(self._wake_fd, zmq.POLLIN)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        self.check_open()
         if self._woken:
             return None
         self._pump()
@@ -118,7 +124,7 @@ class ZmqReceiver(ReceiverEndpoint):
             self._wanted = True
 
     def wake(self) -> None:
-        self._woken = True
+        super().wake()
         if self._wake_fd >= 0:
             try:
                 os.eventfd_write(self._wake_fd, 1)
@@ -192,6 +198,7 @@ class ZmqReceiver(ReceiverEndpoint):
 
     def ack(self, data: bytes) -> None:
         """Send an ack, which also asks for the next version."""
+        self.check_open()
         self._send([ACK, data], "ack")
         self._wanted = self._connected
 
@@ -204,7 +211,7 @@ class ZmqReceiver(ReceiverEndpoint):
         except zmq.ZMQError as exc:
             raise wrap(exc, f"worker {self._worker} sending its {what}") from exc
 
-    def close(self) -> None:
+    def stop(self) -> None:
         sock, monitor, context = self._sock, self._monitor, self._context
         self._sock = self._monitor = self._context = None
         if self._wake_fd >= 0:

@@ -19,6 +19,7 @@ import zmq
 import zmq.auth.thread
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.endpoints import EndpointBase
 from wsync_core.forked import close_inherited
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
@@ -75,8 +76,11 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
-class ZmqSender(SenderEndpoint):
+class ZmqSender(EndpointBase, SenderEndpoint):
+    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+
     def __init__(self, options: dict, ctx: SenderContext) -> None:
+        super().__init__("zmq sender")
         self._options = options
         self._num_workers = ctx.num_workers
         self._nbytes = ctx.layout.nbytes
@@ -100,8 +104,9 @@ class ZmqSender(SenderEndpoint):
         """The endpoint actually bound (after ``open``)."""
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
         opts = self._options
+        self._poller = zmq.Poller()
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.ROUTER)
         configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8)
@@ -128,6 +133,7 @@ class ZmqSender(SenderEndpoint):
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
+        self.check_open()
         busy = {id(buf) for buf, _ in self._waiting.values()}
         if self._latest is not None:
             busy.add(id(self._latest))
@@ -141,6 +147,7 @@ class ZmqSender(SenderEndpoint):
         return slot.tensor
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self.check_open()
         self._read_peers()  # the wants that came in since the last poll
         self._latest = buffer
         if not any(s.tensor is buffer for s in self._slots):
@@ -194,8 +201,9 @@ class ZmqSender(SenderEndpoint):
 
     # -- events -------------------------------------------------------------------------------
     def poll(self, deadline: Deadline) -> list[Event]:
+        self.check_open()
         events = self._drain()
-        while not events and not deadline.expired():
+        while not events and not deadline.expired() and not self._woken:
             owed = any(self._peers[w].wants for w in self._waiting if w in self._peers)
             self._poller.poll(int(deadline.slice(0.02 if owed else 1.0) * 1000))
             events = self._drain()
@@ -305,7 +313,7 @@ class ZmqSender(SenderEndpoint):
         self._waiting.pop(w, None)
         self._events.append(Left(w, reason))
 
-    def close(self) -> None:
+    def stop(self) -> None:
         _live.discard(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
