@@ -222,8 +222,12 @@ class ZmqSender(EndpointBase, SenderEndpoint):
             kind = event["event"]
             log.debug("zmq sender: socket event %s (%s)", zmq.Event(kind).name, event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
-                for w, peer in list(self._peers.items()):
-                    if peer.fd == event["value"]:
+                gone = [(w, peer.rid) for w, peer in self._peers.items() if peer.fd == event["value"]]
+                if gone:
+                    self._read_peers()  # what it sent before it left (its last ack) counts first
+                for w, rid in gone:
+                    peer = self._peers.get(w)
+                    if peer is not None and peer.rid == rid:  # (a new connection's hello keeps it)
                         self._drop(w, "its connection closed (peer exit, or no heartbeat within "
                                       f"{self._options['heartbeat']:g} s)")
             else:
