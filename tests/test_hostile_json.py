@@ -68,7 +68,7 @@ def test_each_hostile_token_in_an_ack_raises_transport_error(token: bytes, field
     b'{"wsync":1,"v":1,"n":0,"m":"policy","d":"x","l":{"a":1}}',
     b'{"wsync":1,"v":1,"n":0,"m":"policy","d":"x","l":[["a","float32",[true],0,4]]}',
     b'{"wsync":1,"v":1,"n":' + b"1" + b"0" * 30 + b',"m":"policy","d":"x"}',
-    b'{"wsync":1,"v":1,"n":4,"m":"policy","d":"x","c":[4294967296]}',
+    b'{"wsync":1,"v":1,"n":4,"m":"policy","d":"x","c":[18446744073709551616]}',
 ])
 def test_mistyped_or_out_of_range_header_fields_raise_transport_error(data: bytes) -> None:
     with pytest.raises(TransportError):

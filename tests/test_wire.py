@@ -80,9 +80,9 @@ def test_header_roundtrip_and_worker_timeout_pickles():
     h = Header(3, "policy", "abc", 128, [42])
     assert Header.decode(h.encode()) == h
     big = torch.randint(0, 255, (3 * (16 << 20) + 5,), dtype=torch.uint8)
-    from wsync_core.protocol import crc32
-    import zlib
-    sums = crc32(big)
-    assert len(sums) == 4 and sums[-1] == zlib.crc32(big[3 * (16 << 20):].numpy().tobytes())
+    import xxhash
+    from wsync_core.protocol import checksum
+    sums = checksum(big)
+    assert len(sums) == 4 and sums[-1] == xxhash.xxh3_64_intdigest(big[3 * (16 << 20):].numpy().tobytes())
     e = pickle.loads(pickle.dumps(WorkerTimeoutError("late", [2, 1])))
     assert e.workers == [1, 2] and str(e) == "late"

@@ -19,7 +19,7 @@ from .deadline import Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
 from .layout import Layout
 from .lease import LeaseBook
-from .protocol import Ack, Header, crc32
+from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
 from .weights import Weights, device_of, flatten, materialize, meta_keys, restore_extra_state
 
@@ -215,7 +215,7 @@ class Receiver:
             size = payload.numel() if isinstance(payload, torch.Tensor) else "no tensor"
             raise TransportError(f"{where}: payload has {size} bytes (header says {header.nbytes}), "
                                  f"expected {layout.nbytes}")
-        if header.crc is not None and crc32(payload) != header.crc:
+        if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
         targets = flatten(self.source, self.strategy, detach=False)
         layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)

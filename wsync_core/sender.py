@@ -20,7 +20,7 @@ import torch
 from .deadline import Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
 from .layout import Layout, clip_keys
-from .protocol import Ack, Header, crc32
+from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
 from .weights import Weights, device_of, flatten, meta_keys
@@ -177,8 +177,8 @@ class Sender:
             self.layout.pack(tensors, buffer)
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
-        crc = crc32(buffer) if self.transport.checksum else None
-        header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, crc)
+        sums = checksum(buffer) if self.transport.checksum else None
+        header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, sums)
         t1 = time.perf_counter()
         self.version = version
         self._latest = (buffer, header)
@@ -205,7 +205,7 @@ class Sender:
         if known:
             self.endpoint.publish(buffer, header.encode(), known)
         if fresh:
-            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.crc,
+            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.checksum,
                           layout=json.loads(self.layout.to_json()))
             self.endpoint.publish(buffer, full.encode(), fresh)
             self._layout_sent.update(fresh)

@@ -249,7 +249,7 @@ class Transport(ABC):
     def __init__(self, **options: Any) -> None:
         self.options: dict[str, Any] = options
 
-    #: whether the core should add a CRC32 of every payload to its header and check it on
+    #: whether the core should add XXH3-64 checksums of every payload to its header and check them on
     #: arrival (for transports whose bytes cross something that can damage them)
     @property
     def checksum(self) -> bool:

@@ -252,7 +252,7 @@ class RawSender:
 
     def header(self, version: int, **changes: Any) -> bytes:
         h = {"version": version, "model_id": "policy", "digest": self.layout.digest, "nbytes": self.layout.nbytes,
-             "crc": None, "layout": json.loads(self.layout.to_json()), **changes}
+             "checksum": None, "layout": json.loads(self.layout.to_json()), **changes}
         return Header(**h).encode()
 
     def wait_joined(self, workers: list[int]) -> None:

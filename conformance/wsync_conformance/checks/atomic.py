@@ -106,7 +106,7 @@ class AtomicChecks:
         cases = {
             "a different layout": (raw.header(1, digest=other_layout.digest,
                                               layout=json.loads(other_layout.to_json())), "SchemaMismatchError"),
-            "a wrong checksum": (raw.header(2, crc=12345), "TransportError"),
+            "a wrong checksum": (raw.header(2, checksum=[12345]), "TransportError"),
             "a wrong size": (raw.header(3, nbytes=raw.layout.nbytes + 64), "TransportError"),
             "another model's id": (raw.header(4, model_id="critic"), "SchemaMismatchError"),
         }

@@ -15,7 +15,7 @@ import zmq
 
 from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
 from wsync_core.layout import Layout
-from wsync_core.protocol import Ack, Header, crc32
+from wsync_core.protocol import Ack, Header, checksum
 from wsync_core.weights import flatten
 from wsync_zmq import ZmqTransport
 from wsync_zmq.wire import ACK, DATA, HELLO, Hello
@@ -126,7 +126,7 @@ class FakeSender:
         buf = torch.empty(self.layout.nbytes, dtype=torch.uint8)
         self.layout.pack(self.tensors, buf)
         wire = json.loads(self.layout.to_json()) if layout else None
-        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, crc32(buf), wire).encode()
+        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, checksum(buf), wire).encode()
         return header, buf.numpy().tobytes()
 
     def send(self, *frames: bytes) -> None:

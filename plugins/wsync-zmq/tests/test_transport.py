@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -161,3 +162,37 @@ def test_shutdown_leaves_no_thread_or_descriptor(sender):
     scheme.shutdown()
     assert set(threading.enumerate()) <= threads
     assert fds() == before
+
+
+def test_endpoints_closed_or_never_opened_raise_transport_error():
+    """The endpoint base's lifecycle: every call before open or after close raises TransportError,
+    close is idempotent, and a woken sender's poll returns at once."""
+    from wsync_core import TransportError
+    from wsync_core.deadline import Deadline
+    from wsync_core.layout import Layout
+    from wsync_core.transport import ReceiverContext, SenderContext
+    from wsync_core.weights import flatten
+
+    layout = Layout.of(flatten(make_model(0)))
+    transport = ZmqTransport()
+    sender = transport.sender(SenderContext(1, layout, "policy", torch.device("cpu")))
+    receiver = transport.receiver(ReceiverContext(0, layout, "policy", torch.device("cpu")))
+    with pytest.raises(TransportError, match="not open"):
+        receiver.recv(Deadline(0.0))
+    sender.open(Deadline(10))
+    receiver.open(Deadline(10))
+    sender.wake()
+    t0 = time.monotonic()
+    sender.poll(Deadline(30.0))  # woken: returns at once, not after 30 s
+    assert time.monotonic() - t0 < 15
+    for endpoint in (receiver, sender):
+        endpoint.close()
+        endpoint.close()
+    with pytest.raises(TransportError, match="closed"):
+        receiver.recv(Deadline(0.0))
+    with pytest.raises(TransportError, match="closed"):
+        receiver.ack(b"{}")
+    with pytest.raises(TransportError, match="closed"):
+        sender.poll(Deadline(0.0))
+    with pytest.raises(TransportError, match="closed"):
+        sender.acquire(Deadline(0.0))

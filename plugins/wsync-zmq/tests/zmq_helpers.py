@@ -72,6 +72,11 @@ class WorkerProcess:
                 break
         return [line["error"] for line in self.seen if "error" in line]
 
+    def pause(self, seconds: float) -> None:
+        """Make the worker stop calling receive() for ``seconds``."""
+        self.proc.stdin.write(json.dumps({"pause": seconds}) + "\n")
+        self.proc.stdin.flush()
+
     def stop(self, timeout: float = 20.0) -> int | None:
         """Close its stdin (it shuts down and exits); kill it if it does not."""
         if self.proc.poll() is None:

@@ -2,6 +2,7 @@
 
     python zmq_worker.py '{"worker": 0, "options": {...}, "width": 8, "timeout": 30}'
 
+A stdin line ``{"pause": seconds}`` makes it stop calling ``receive()`` for that long.
 Prints one JSON line per applied version, ``{"v": version, "digest": sha256 of the weights}``,
 and ``{"error": "..."}`` if connecting or receiving fails.
 """
@@ -12,6 +13,7 @@ import hashlib
 import json
 import select
 import sys
+import time
 
 import torch
 from torch import nn
@@ -54,8 +56,11 @@ def main(config: dict) -> int:
                 continue
             if v is not None:
                 say(v=v, digest=digest(model))
-            if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
-                return 0
+            if select.select([sys.stdin], [], [], 0)[0]:
+                line = sys.stdin.readline()
+                if not line:
+                    return 0
+                time.sleep(json.loads(line).get("pause", 0.0))  # a slow worker: no receive() meanwhile
     except WsyncError as exc:
         say(error=f"{type(exc).__name__}: {exc}")
         return 1

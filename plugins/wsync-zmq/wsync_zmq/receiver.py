@@ -1,5 +1,10 @@
 """A worker's side: one DEALER socket connected to the sender, saying hello on every (re)connection.
 
+The worker asks for each version (its hello, each ack, or a want when it waits with nothing
+asked for), so at most one delivery waits here while the worker is away (beyond the one it is
+reading). One that did wait is checked on the next ``recv`` with a probe: the sender answers with
+anything newer it holds, and only the newest is returned.
+
 Frames larger than this worker's model (or a generous header bound) are refused by libzmq
 before it allocates them; everything else is checked by ``wire.decode_delivery`` before the
 core sees it. The payload tensor reads the received frame in place.
@@ -13,10 +18,12 @@ import os
 import zmq
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.endpoints import EndpointBase
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
-from .wire import ACK, BYE, HELLO, Hello, decode_delivery, header_limit, payload_tensor
+from .wire import (ACK, BYE, CURRENT, DATA, HELLO, NEWER, PROBE, WANT, Hello, decode_answer, decode_delivery,
+                   header_limit, payload_tensor)
 
 __all__ = ["ZmqReceiver"]
 
@@ -24,10 +31,16 @@ _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
 _BYE_LINGER_MS = 500
+#: how long ``recv`` waits for the answer to a probe, whatever its deadline (seconds); without one
+#: it returns the delivery it holds
+_PROBE_WAIT_S = 0.5
 
 
-class ZmqReceiver(ReceiverEndpoint):
+class ZmqReceiver(EndpointBase, ReceiverEndpoint):
+    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+
     def __init__(self, options: dict, ctx: ReceiverContext) -> None:
+        super().__init__(f"zmq receiver of worker {ctx.worker_idx}")
         self._options = options
         self._worker = ctx.worker_idx
         self._nbytes = ctx.layout.nbytes
@@ -38,14 +51,19 @@ class ZmqReceiver(ReceiverEndpoint):
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._connected = False
-        self._woken = False
+        self._wanted = False  # a want or probe is out and no delivery answered it yet
+        self._probe = 0  # the number of the last probe sent
+        self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
+        self._mail: Delivery | None = None  # the newest delivery read and not yet returned
         self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
         opts = self._options
+        self._poller = zmq.Poller()
+        self._connected = self._wanted = False
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.DEALER)
-        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=2)
+        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=4, sndhwm=64)
         if opts["curve_server_key"]:
             sock.curve_serverkey = opts["curve_server_key"].encode()
             if opts["curve_client_key"]:
@@ -64,17 +82,49 @@ class ZmqReceiver(ReceiverEndpoint):
         self._poller.register(self._wake_fd, zmq.POLLIN)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        self.check_open()
+        if self._woken:
+            return None
+        self._pump()
+        if self._mail is not None and self._connected:
+            # it waited here while the worker was away: newer versions may wait at the sender
+            self._probe += 1
+            self._send([PROBE, str(self._probe).encode()], "probe")
+            self._wanted, self._answer = True, None
+            self._wait(Deadline(_PROBE_WAIT_S), lambda: self._answer is not None)
+            if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
+                self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
+            return self._take()
+        self._wait(deadline, lambda: self._mail is not None)
+        return self._take()
+
+    def _take(self) -> Delivery | None:
+        mail, self._mail = self._mail, None
+        return mail
+
+    def _wait(self, deadline: Deadline, done) -> None:
+        """Read until ``done()``, the deadline or ``wake``."""
         while True:
-            if self._woken:
-                return None
-            self._read_monitor()
-            delivery = self._read()
-            if delivery is not None or deadline.expired():
-                return delivery
+            if done() or self._woken or deadline.expired():
+                return
+            if self._mail is None:  # about to block: make sure the sender knows this worker waits
+                self._want()
             self._poller.poll(max(1, math.ceil(deadline.slice(1.0) * 1000)))
+            self._pump()
+
+    def _pump(self) -> None:
+        """Read the monitor and every message waiting; the newest delivery replaces an older one."""
+        self._read_monitor()
+        while self._read():
+            pass
+
+    def _want(self) -> None:
+        if self._connected and not self._wanted and self._sock is not None:
+            self._send([WANT], "want")
+            self._wanted = True
 
     def wake(self) -> None:
-        self._woken = True
+        super().wake()
         if self._wake_fd >= 0:
             try:
                 os.eventfd_write(self._wake_fd, 1)
@@ -88,8 +138,10 @@ class ZmqReceiver(ReceiverEndpoint):
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 self._send([HELLO, self._hello], "hello")
+                self._wanted = True  # a hello asks for the current version
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._wanted = False
                 self._reconnect()
             else:
                 curve = " (is curve_server_key the sender's public key, and is this worker's key allowed?)" \
@@ -110,12 +162,15 @@ class ZmqReceiver(ReceiverEndpoint):
         except zmq.ZMQError as exc:
             raise wrap(exc, f"worker {self._worker} reconnecting to {address}") from exc
 
-    def _read(self) -> Delivery | None:
+    def _read(self) -> bool:
+        """Read one message if one waits; False if none did. Raises TransportError if it is malformed."""
         sock = self._sock
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than raising zmq.Again
+            return False
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return None
+            return False
         frames = [first]
         extra = 0
         more = first.more
@@ -126,11 +181,26 @@ class ZmqReceiver(ReceiverEndpoint):
                 frames.append(part)
             else:
                 extra += 1
-        header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
-        return Delivery(header, payload_tensor(payload))
+        if len(frames) == 2 and bytes(memoryview(first)) in (CURRENT, NEWER):
+            kind, seq = decode_answer(frames, extra)
+            if seq == str(self._probe).encode() and self._answer is None:
+                self._answer = kind
+            return True
+        self._wanted = False  # the sender spent this worker's want on it, even if it is malformed
+        try:
+            header, payload = decode_delivery(frames, extra, self._nbytes, self._max_header)
+        except TransportError:
+            self._want()  # no ack follows: ask for the next version now
+            raise
+        self._mail = Delivery(header, payload_tensor(payload))
+        self._answer = DATA
+        return True
 
     def ack(self, data: bytes) -> None:
+        """Send an ack, which also asks for the next version."""
+        self.check_open()
         self._send([ACK, data], "ack")
+        self._wanted = self._connected
 
     def _send(self, parts: list[bytes], what: str) -> None:
         try:
@@ -141,7 +211,7 @@ class ZmqReceiver(ReceiverEndpoint):
         except zmq.ZMQError as exc:
             raise wrap(exc, f"worker {self._worker} sending its {what}") from exc
 
-    def close(self) -> None:
+    def stop(self) -> None:
         sock, monitor, context = self._sock, self._monitor, self._context
         self._sock = self._monitor = self._context = None
         if self._wake_fd >= 0:

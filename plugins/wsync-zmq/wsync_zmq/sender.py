@@ -1,9 +1,10 @@
 """The trainer's side: one ROUTER socket; the snapshot goes out as a zero-copy frame to each worker.
 
 Workers are known by their hello, not by their socket identity: the newest hello for a worker
-wins, and only that connection's acks count. Each worker has at most one delivery in flight;
-a newer one waits (replacing any older waiting one) until the socket has sent the first, so a
-slow or silent worker holds at most one buffer and costs the others nothing.
+wins, and only that connection's acks count. A worker gets a version only when it asked for one
+(a want or a probe) and the socket has sent its previous one; until then the newest version waits
+here, replacing an older waiting one. So a slow or silent worker holds at most one delivery on its
+way and one waiting, and when it asks again it gets the newest.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import zmq
 import zmq.auth.thread
 from wsync_core import TransportError
 from wsync_core.deadline import Deadline
+from wsync_core.endpoints import EndpointBase
 from wsync_core.forked import close_inherited
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
 from .sockets import close_all, configure, log, monitor_events, wrap
-from .wire import ACK, BYE, DATA, HELLO, MAX_PEER_FRAME, decode_peer
+from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer
 
 __all__ = ["ZmqSender"]
 
+#: payloads up to this many bytes are copied into their frame (tracking a zero-copy frame costs more)
+_COPY_BELOW = 64 * 1024
 #: messages read from peers per poll at most (so a flood cannot starve the caller)
 _MAX_READS = 1000
 _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -47,6 +51,7 @@ class _Peer:
     rid: bytes
     fd: int
     fits: bool  # the worker's schema has the sender's digest: send it the payload
+    wants: bool = False  # it asked for a version and has not been sent one since
 
 
 class _AllowList:
@@ -71,8 +76,11 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
-class ZmqSender(SenderEndpoint):
+class ZmqSender(EndpointBase, SenderEndpoint):
+    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+
     def __init__(self, options: dict, ctx: SenderContext) -> None:
+        super().__init__("zmq sender")
         self._options = options
         self._num_workers = ctx.num_workers
         self._nbytes = ctx.layout.nbytes
@@ -96,11 +104,12 @@ class ZmqSender(SenderEndpoint):
         """The endpoint actually bound (after ``open``)."""
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
         opts = self._options
+        self._poller = zmq.Poller()
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.ROUTER)
-        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100)
+        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if opts["curve_server_key"]:
             sock.curve_server = True
@@ -124,6 +133,7 @@ class ZmqSender(SenderEndpoint):
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
+        self.check_open()
         busy = {id(buf) for buf, _ in self._waiting.values()}
         if self._latest is not None:
             busy.add(id(self._latest))
@@ -137,6 +147,8 @@ class ZmqSender(SenderEndpoint):
         return slot.tensor
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        self.check_open()
+        self._read_peers()  # the wants that came in since the last poll
         self._latest = buffer
         if not any(s.tensor is buffer for s in self._slots):
             self._slots.append(_Slot(buffer))
@@ -144,11 +156,17 @@ class ZmqSender(SenderEndpoint):
             if w not in self._peers:
                 log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
                 continue
-            tracker = self._inflight.get(w)
-            if tracker is not None and not tracker.done:
-                self._waiting[w] = (buffer, header)
-            else:
-                self._send(w, buffer, header)
+            self._waiting[w] = (buffer, header)  # replaces an older version waiting for it
+            self._flush(w)
+
+    def _flush(self, w: int) -> None:
+        """Send worker ``w`` its waiting version if it asked for one and its previous one left."""
+        peer = self._peers.get(w)
+        tracker = self._inflight.get(w)
+        if peer is None or not peer.wants or w not in self._waiting or tracker is not None and not tracker.done:
+            return
+        buffer, header = self._waiting.pop(w)
+        self._send(w, buffer, header)
 
     def _send(self, w: int, buffer: torch.Tensor, header: bytes) -> None:
         peer = self._peers[w]
@@ -165,6 +183,11 @@ class ZmqSender(SenderEndpoint):
             raise wrap(exc, f"sending to worker {w}") from exc
         sock.send(DATA, zmq.SNDMORE)
         sock.send(header, zmq.SNDMORE)
+        peer.wants = False
+        if peer.fits and buffer.numel() <= _COPY_BELOW:  # small: a copy is cheaper than tracking a frame
+            sock.send(buffer.numpy(), copy=True)
+            self._inflight.pop(w, None)
+            return
         if peer.fits:
             frame = zmq.Frame(buffer.numpy(), copy=False, track=True)
         else:  # the worker's schema differs: the header alone lets its core name the mismatch
@@ -178,18 +201,17 @@ class ZmqSender(SenderEndpoint):
 
     # -- events -------------------------------------------------------------------------------
     def poll(self, deadline: Deadline) -> list[Event]:
+        self.check_open()
         events = self._drain()
-        while not events and not deadline.expired():
-            self._poller.poll(int(deadline.slice(0.02 if self._waiting else 1.0) * 1000))
+        while not events and not deadline.expired() and not self._woken:
+            owed = any(self._peers[w].wants for w in self._waiting if w in self._peers)
+            self._poller.poll(int(deadline.slice(0.02 if owed else 1.0) * 1000))
             events = self._drain()
         return events
 
     def _drain(self) -> list[Event]:
-        for w, (buffer, header) in list(self._waiting.items()):
-            tracker = self._inflight.get(w)
-            if tracker is None or tracker.done:
-                del self._waiting[w]
-                self._send(w, buffer, header)
+        for w in list(self._waiting):
+            self._flush(w)
         self._read_monitor()  # before peers: a connection's end is reported before a new hello
         self._read_peers()
         events, self._events = self._events, []
@@ -200,8 +222,12 @@ class ZmqSender(SenderEndpoint):
             kind = event["event"]
             log.debug("zmq sender: socket event %s (%s)", zmq.Event(kind).name, event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
-                for w, peer in list(self._peers.items()):
-                    if peer.fd == event["value"]:
+                gone = [(w, peer.rid) for w, peer in self._peers.items() if peer.fd == event["value"]]
+                if gone:
+                    self._read_peers()  # what it sent before it left (its last ack) counts first
+                for w, rid in gone:
+                    peer = self._peers.get(w)
+                    if peer is not None and peer.rid == rid:  # (a new connection's hello keeps it)
                         self._drop(w, "its connection closed (peer exit, or no heartbeat within "
                                       f"{self._options['heartbeat']:g} s)")
             else:
@@ -251,7 +277,8 @@ class ZmqSender(SenderEndpoint):
                 self._drop(stale, f"its connection now claims worker {w}")
             self._inflight.pop(w, None)
             self._waiting.pop(w, None)
-            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes)
+            # a hello asks for the current version
+            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes, True)
             self._workers[rid] = w
             self._events.append(Joined(w))
             return
@@ -260,10 +287,27 @@ class ZmqSender(SenderEndpoint):
             log.debug("zmq sender ignored a goodbye from peer %s, which is not a known worker", rid.hex())
         elif w is None:
             log.warning("zmq sender ignored an ack from peer %s, which has not said hello", rid.hex())
-        elif msg.kind == ACK:
+        elif msg.kind == ACK:  # an ack also asks for the next version
             self._events.append(Acked(w, msg.data))
+            self._peers[w].wants = True
+            self._flush(w)
+        elif msg.kind in (WANT, PROBE):
+            self._peers[w].wants = True
+            if msg.kind == PROBE:
+                self._answer(w, NEWER if w in self._waiting else CURRENT, msg.seq)
+            self._flush(w)
         elif msg.kind == BYE:
             self._drop(w, "receiver shut down")
+
+    def _answer(self, w: int, kind: bytes, seq: bytes) -> None:
+        """Tell worker ``w`` whether a newer version follows (NEWER) or not (CURRENT)."""
+        try:
+            self._sock.send_multipart([self._peers[w].rid, kind, seq], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("zmq sender: worker %d's queue is full; its probe goes unanswered", w)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise wrap(exc, f"answering worker {w}") from exc
 
     def _drop(self, w: int, reason: str) -> None:
         peer = self._peers.pop(w, None)
@@ -273,7 +317,7 @@ class ZmqSender(SenderEndpoint):
         self._waiting.pop(w, None)
         self._events.append(Left(w, reason))
 
-    def close(self) -> None:
+    def stop(self) -> None:
         _live.discard(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None

@@ -16,12 +16,14 @@ __all__ = ["log", "configure", "monitor_events", "close_all", "wrap"]
 log = logging.getLogger("wsync.zmq")
 
 
-def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int) -> None:
-    """Set linger, heartbeats (a silent peer's connection is closed) and the largest frame accepted."""
+def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int) -> None:
+    """Set linger, heartbeats (a silent peer's connection is closed: a cut link sends no reset),
+    the largest frame accepted and the messages queued per peer each way."""
     timeout_ms = max(100, int(math.ceil(options["heartbeat"] * 1000)))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
     sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, max(50, timeout_ms // 4)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500) // 100 * 100)
@@ -32,7 +34,7 @@ def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
     from zmq.utils.monitor import recv_monitor_message
 
     events = []
-    while monitor.poll(0):
+    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         events.append(recv_monitor_message(monitor))
     return events
 

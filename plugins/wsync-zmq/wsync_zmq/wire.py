@@ -1,7 +1,13 @@
 """The zmq transport's messages, and their decoders: frame counts, kinds and sizes, checked first.
 
-Sender -> receiver: ``[b"D", header, payload]`` (header: the core's JSON; payload: raw bytes).
-Receiver -> sender: ``[b"H", hello]`` on every (re)connection, ``[b"A", ack]``, ``[b"B"]`` on close.
+Sender -> receiver: ``[b"D", header, payload]`` (header: the core's JSON; payload: raw bytes), and
+the answer to probe ``seq``: ``[b"C", seq]`` (nothing newer) or ``[b"N", seq]`` (a newer one follows).
+Receiver -> sender: ``[b"H", hello]`` on every (re)connection, ``[b"A", ack]``, ``[b"B"]`` on close,
+``[b"W"]`` (a want: send me the next version) and ``[b"P", seq]`` (a probe: a want that asks for
+an answer now).
+A hello and an ack also count as a want.
+Flow control: the sender sends a worker a version only against a want, so at most one delivery is
+on its way to a worker and newer versions replace one another at the sender until it asks again.
 Nothing here unpickles; a malformed message raises TransportError and is dropped.
 """
 
@@ -19,13 +25,16 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
 
 __all__ = [
-    "DATA", "HELLO", "ACK", "BYE",
-    "MAX_HELLO_BYTES", "MAX_PEER_FRAME",
+    "DATA", "CURRENT", "NEWER", "HELLO", "ACK", "BYE", "WANT", "PROBE",
+    "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES",
     "Hello", "PeerMessage",
-    "header_limit", "decode_delivery", "decode_peer", "payload_tensor",
+    "header_limit", "decode_delivery", "decode_answer", "decode_peer", "payload_tensor",
 ]
 
-DATA, HELLO, ACK, BYE = b"D", b"H", b"A", b"B"
+DATA, CURRENT, NEWER = b"D", b"C", b"N"
+HELLO, ACK, BYE, WANT, PROBE = b"H", b"A", b"B", b"W", b"P"
+#: the longest probe sequence number accepted (decimal digits)
+MAX_SEQ_BYTES = 20
 #: the largest hello accepted
 MAX_HELLO_BYTES = 4096
 #: the largest frame a sender accepts from any peer (libzmq drops a peer that sends more)
@@ -79,6 +88,7 @@ class PeerMessage:
     kind: bytes
     hello: Hello | None = None
     data: bytes = b""
+    seq: bytes = b""
 
 
 def header_limit(layout: Layout) -> int:
@@ -106,16 +116,36 @@ def decode_delivery(frames: Sequence[Any], extra: int, nbytes: int, max_header: 
     return bytes(memoryview(header)), payload
 
 
+def _seq(frame: Any, who: str) -> bytes:
+    data = bytes(memoryview(frame)) if _size(frame) <= MAX_SEQ_BYTES else b""
+    if not data.isdigit():
+        raise TransportError(f"malformed probe number from {who}: {_size(frame)} bytes, expected 1 to "
+                             f"{MAX_SEQ_BYTES} decimal digits")
+    return data
+
+
+def decode_answer(frames: Sequence[Any], extra: int) -> tuple[bytes, bytes]:
+    """Check a sender's answer to a probe, ``[b"C", seq]`` or ``[b"N", seq]``; returns (kind, seq).
+    Raises TransportError if malformed."""
+    kind = bytes(memoryview(frames[0])) if frames and _size(frames[0]) == 1 else b""
+    if extra or len(frames) != 2 or kind not in (CURRENT, NEWER):
+        raise TransportError(f"malformed message from the sender: expected [b'C', seq] or [b'N', seq], "
+                             f"got {_describe(frames, extra)}")
+    return kind, _seq(frames[1], "the sender")
+
+
 def decode_peer(frames: Sequence[Any], extra: int) -> PeerMessage:
     """Check a receiver -> sender message (routing id already removed).
 
     Raises TransportError for a wrong frame count, kind, size or a malformed hello.
     """
     kind = bytes(memoryview(frames[0])) if frames and _size(frames[0]) == 1 else None
-    expected = {HELLO: 2, ACK: 2, BYE: 1}.get(kind) if kind else None
+    expected = {HELLO: 2, ACK: 2, BYE: 1, WANT: 1, PROBE: 2}.get(kind) if kind else None
     if extra or expected is None or len(frames) != expected:
-        raise TransportError(f"malformed message from a peer: expected [b'H', hello], [b'A', ack] or [b'B'], "
-                             f"got {_describe(frames, extra)}")
+        raise TransportError(f"malformed message from a peer: expected [b'H', hello], [b'A', ack], [b'B'], "
+                             f"[b'W'] or [b'P', seq], got {_describe(frames, extra)}")
+    if kind == PROBE:
+        return PeerMessage(kind, seq=_seq(frames[1], "a peer"))
     if kind == HELLO:
         return PeerMessage(kind, hello=Hello.decode(frames[1]))
     if kind == ACK:
