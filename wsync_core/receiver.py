@@ -263,8 +263,7 @@ class Receiver:
         payload = delivery.payload
         size = payload.numel() if isinstance(payload, torch.Tensor) else -1
         if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
-                or payload.device.type == "meta" or not header.nbytes <= size <= layout.nbytes
-                or size not in (header.nbytes, layout.nbytes)):
+                or payload.device.type == "meta" or not header.nbytes <= size <= layout.nbytes):
             raise TransportError(f"{where}: payload has {size if size >= 0 else 'no tensor'} bytes (header says "
                                  f"{header.nbytes}, at most {layout.nbytes})")
         payload = payload[:header.nbytes]

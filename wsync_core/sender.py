@@ -334,7 +334,7 @@ class Sender:
         """Publish the first ``used`` bytes of ``buffer`` (all of it unless the transport takes a
         prefix) to ``workers``; a worker's first delivery carries the layout. Returns what was published."""
         if used < buffer.numel() and getattr(self.endpoint, "prefix_publish", False):
-            buffer = buffer[:used]
+            buffer = buffer[:max(used, 1)]  # never an empty view: some transports find buffers by address
         known = [w for w in workers if w in self._layout_sent]
         fresh = [w for w in workers if w not in self._layout_sent]
         if known:
