@@ -351,9 +351,14 @@ class RpcSender(SenderEndpoint):
         # a fresh buffer: RPC may still be reading an older one while it sends
         return torch.empty(self.nbytes, dtype=torch.uint8)
 
+    #: publish(buffer[:n]) sends only those n bytes (the core's deltas and wire dtypes)
+    prefix_publish = True
+
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
         if self.agent is None:
             raise TransportError("rpc: publish() before open() or after close()")
+        if buffer.numel() < buffer.untyped_storage().nbytes():  # RPC would send a view's whole storage
+            buffer = buffer.clone()
         head = _as_tensor(bytes(header))
         with self.lock:
             if not self.ready:
