@@ -215,7 +215,7 @@ class Mirror:
                     vals_at = offset + _align(count * _INDEX_BYTES)
                     buffer[offset:offset + count * _INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
-                    torch.index_select(_bits(flat), 0, idx.to(torch.int64), out=_bits(dst))
+                    _bits(dst).copy_(_bits(flat).index_select(0, idx.to(torch.int64)))
                 table.append([i, count, offset])
                 offset += size
         return Encoded(table, _align(offset) if offset else 0)
@@ -320,7 +320,12 @@ def apply_ops(ops: Sequence[Op], indices: Sequence[torch.Tensor | None], payload
             t = targets[op.entry.key]
             dtype = op.wire.torch_dtype
             if op.count < 0:
-                t.copy_(payload[op.offset:op.offset + op.wire.nbytes].view(dtype).view(op.entry.shape))
+                src = payload[op.offset:op.offset + op.wire.nbytes].view(dtype).view(op.entry.shape)
+                size = t.element_size()
+                if dtype == t.dtype and size in _BITS:  # bits as they are (a bool's byte too)
+                    t.view(_BITS[size]).copy_(src.view(_BITS[size]))
+                else:
+                    t.copy_(src)
                 continue
             vals = payload[op.values_at:op.values_at + op.count * dtype.itemsize].view(dtype)
             if vals.device != t.device:
