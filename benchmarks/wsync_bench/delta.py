@@ -110,10 +110,17 @@ def _worker(scheme: Any, idx: int, nbytes: int, ready: Any, stop: Any) -> None:
     model = build_adapter_model(nbytes, seed=99)
     scheme.init_on_receiver(model=model, worker_idx=idx)
     ready.put(idx)
+    from wsync_core import WsyncError
+
     try:
         scheme.connect()
         while not stop.is_set():
-            scheme.receive(timeout=0.05)
+            try:
+                scheme.receive(timeout=0.05)
+            except WsyncError:  # the sender shut down first: the run is over
+                if stop.is_set():
+                    break
+                raise
     finally:
         scheme.shutdown()
 
