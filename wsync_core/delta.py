@@ -220,6 +220,13 @@ class Mirror:
                 offset += size
         return Encoded(table, _align(offset) if offset else 0)
 
+    def release(self) -> None:
+        """Free the copy and the history (the scheme shut down); the mirror is empty afterwards."""
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
+        self.flat = []
+        self.changes.clear()
+        self.version = -1
+
     def pack(self, buffer: torch.Tensor) -> None:
         """Copy the whole mirror (a full payload in the wire layout) into ``buffer``."""
         buffer[:self.wire.nbytes].copy_(self.buffer)

@@ -155,6 +155,8 @@ class Sender:
         with self.lock:
             self.endpoint.close()
             self._latest = None
+            if self.mirror is not None:
+                self.mirror.release()
             self.connected = False
 
     # -- sending --------------------------------------------------------------------------------
