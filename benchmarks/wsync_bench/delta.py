@@ -105,42 +105,47 @@ def _step(model: nn.Module, share: float, g: torch.Generator, adapter_only: bool
             flat[idx] += 0.5
 
 
-def _worker(scheme: Any, idx: int, nbytes: int, ready: Any, stop: Any) -> None:
-    torch.set_num_threads(1)
-    model = build_adapter_model(nbytes, seed=99)
-    scheme.init_on_receiver(model=model, worker_idx=idx)
-    ready.put(idx)
+def _worker(idx: int, nbytes: int, jobs: Any, ready: Any, stop: Any) -> None:
+    """One worker for every case: takes a scheme from ``jobs`` (None: exit), receives until ``stop``."""
     from wsync_core import WsyncError
 
-    try:
-        scheme.connect()
-        while not stop.is_set():
-            try:
-                scheme.receive(timeout=0.05)
-            except WsyncError:  # the sender shut down first: the run is over
-                if stop.is_set():
-                    break
-                raise
-    finally:
-        scheme.shutdown()
+    torch.set_num_threads(1)
+    model = build_adapter_model(nbytes, seed=99)
+    while True:
+        scheme = jobs.get()
+        if scheme is None:
+            return
+        scheme.init_on_receiver(model=model, worker_idx=idx)
+        ready.put(idx)
+        try:
+            scheme.connect()
+            while not stop.is_set():
+                try:
+                    scheme.receive(timeout=0.05)
+                except WsyncError:  # the sender shut down first: the case is over
+                    if stop.is_set():
+                        break
+                    raise
+        finally:
+            scheme.shutdown()
+            ready.put(-1 - idx)
 
 
-def _measure(transport: str, case: str, nbytes: int, workers: int, repeat: int, warmup: int, share: float,
-             options: dict[str, Any]) -> DeltaRow:
+def _measure(transport: str, case: str, nbytes: int, workers: list[Any], repeat: int, warmup: int, share: float,
+             pool: tuple[Any, Any]) -> DeltaRow:
     from wsync_core import WeightSyncScheme
 
-    row = DeltaRow(transport, case, nbytes, workers)
+    ready, stop = pool
+    row = DeltaRow(transport, case, nbytes, len(workers))
     model = build_adapter_model(nbytes)
     keys = adapter_keys(model)
-    scheme = WeightSyncScheme(transport, delta=case != "full", timeout=120.0, **options)
-    scheme.init_on_sender(model=model, num_workers=workers)
-    ctx = mp.get_context("spawn")
-    ready, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(scheme, i, nbytes, ready, stop), daemon=True) for i in range(workers)]
-    for p in procs:
-        p.start()
+    scheme = WeightSyncScheme(transport, delta=case != "full", timeout=120.0)
+    scheme.init_on_sender(model=model, num_workers=len(workers))
+    stop.clear()
+    for jobs in workers:
+        jobs.put(scheme)
     try:
-        for _ in procs:
+        for _ in workers:
             ready.get(timeout=300)
         scheme.connect(timeout=300)
         g = torch.Generator().manual_seed(1)
@@ -161,20 +166,32 @@ def _measure(transport: str, case: str, nbytes: int, workers: int, repeat: int, 
     finally:
         stop.set()
         scheme.shutdown()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        for _ in workers:
+            ready.get(timeout=120)
     return row
 
 
 def run_delta(transports: list[str], nbytes: int = 256 << 20, workers: int = 2, repeat: int = 20, warmup: int = 3,
               share: float = 0.01) -> list[DeltaRow]:
-    """Every case on every transport (``zmq`` runs over TCP on this host)."""
+    """Every case on every transport, with the same worker processes (``zmq`` runs over TCP on this host)."""
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    queues = [ctx.Queue() for _ in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(i, nbytes, q, ready, stop), daemon=True) for i, q in enumerate(queues)]
+    for p in procs:
+        p.start()
     rows = []
-    for transport in transports:
-        for case in CASES:
-            rows.append(_measure(transport, case, nbytes, workers, repeat, warmup, share, {}))
+    try:
+        for transport in transports:
+            for case in CASES:
+                rows.append(_measure(transport, case, nbytes, queues, repeat, warmup, share, (ready, stop)))
+    finally:
+        for q in queues:
+            q.put(None)
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
     return rows
 
 
