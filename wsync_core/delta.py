@@ -259,6 +259,21 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _nonzero(mask: torch.Tensor) -> torch.Tensor | None:
+    """The ascending indices of the True elements of a flat bool ``mask`` (None if there are none):
+    found 8 at a time first (as int64 words of the mask), then one by one inside those words."""
+    n = mask.numel()
+    if n % 8 or n < 4096:
+        idx = mask.nonzero().view(-1)
+        return idx if idx.numel() else None
+    words = mask.view(torch.int64)
+    groups = words.nonzero().view(-1)
+    if not groups.numel():
+        return None
+    inner = words.index_select(0, groups).view(torch.bool).nonzero().view(-1)
+    return groups.index_select(0, inner // 8) * 8 + inner % 8
+
+
 def _changed(mirror: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
     """Update ``mirror`` (flat) to ``src``'s bits where they differ; the indices that did (None if none).
     Narrow elements are compared 8 bytes at a time first, then one by one inside the words that differ."""
@@ -270,13 +285,13 @@ def _changed(mirror: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
         ne = s_bits != m_bits
         if ne.dim() > 1:
             ne = ne.any(1)
-        idx = ne.nonzero().view(-1)
-        if not idx.numel():
+        idx = _nonzero(ne)
+        if idx is None:
             return None
         m_bits.index_copy_(0, idx, s_bits.index_select(0, idx))
         return idx
-    words = (s_words != m_words).nonzero().view(-1)
-    if not words.numel():
+    words = _nonzero(s_words != m_words)
+    if words is None:
         return None
     old, new = m_words.index_select(0, words), s_words.index_select(0, words)
     m_words.index_copy_(0, words, new)
