@@ -40,7 +40,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": to
                                        "float32": torch.float32}
 _WIRE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 #: elements compared per step (bounds the temporary memory of a diff)
-_CHUNK = 1 << 22  # a multiple of 8
+_CHUNK = 1 << 24  # a multiple of 8
 #: a tensor is sent whole when its indices and values would take at least this share of its bytes
 _WHOLE_SHARE = 1.0
 _INDEX_BYTES = 4
