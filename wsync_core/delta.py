@@ -121,6 +121,7 @@ class Mirror:
         self.buffer = torch.empty(self.wire.nbytes, dtype=torch.uint8, device=device)
         self.flat = [Layout.view(self.buffer, e).reshape(-1) for e in self.wire.entries]
         self.version = -1
+        self._scratch = _Scratch()
         #: version -> {entry index: ascending int32 indices, or None: changed as a whole}
         self.changes: OrderedDict[int, dict[int, torch.Tensor | None]] = OrderedDict()
 
@@ -145,7 +146,7 @@ class Mirror:
             for i, (e, flat) in enumerate(zip(self.wire.entries, self.flat)):
                 if not e.nbytes or wanted is not None and e.key not in wanted:
                     continue
-                idx = _update(flat, tensors[e.key].reshape(-1))
+                idx = _update(flat, tensors[e.key].reshape(-1), self._scratch)
                 if idx is None or not idx.numel():
                     continue
                 total += idx.numel()
@@ -225,6 +226,7 @@ class Mirror:
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
         self.flat = []
         self.changes.clear()
+        self._scratch = _Scratch()
         self.version = -1
 
     def pack(self, buffer: torch.Tensor) -> None:
@@ -232,15 +234,30 @@ class Mirror:
         buffer[:self.wire.nbytes].copy_(self.buffer)
 
 
-def _update(mirror: torch.Tensor, source: torch.Tensor) -> torch.Tensor | None:
+class _Scratch:
+    """Temporary buffers a diff reuses from one call to the next (a fresh multi-megabyte tensor
+    would cost its page faults every time)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get((dtype, device))
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[(dtype, device)] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n]
+
+
+def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor | None:
     """Copy into ``mirror`` the elements of ``source`` (cast to its dtype) whose bits differ;
     their ascending indices (int64)."""
+    scratch = scratch or _Scratch()
     found = []
     for a in range(0, mirror.numel(), _CHUNK):
         src = source[a:a + _CHUNK]
         if src.dtype != mirror.dtype:
-            src = src.to(mirror.dtype)
-        idx = _changed(mirror[a:a + _CHUNK], src)
+            src = scratch.get(src.numel(), mirror.dtype, mirror.device).copy_(src)
+        idx = _changed(mirror[a:a + _CHUNK], src, scratch)
         if idx is not None:
             found.append(idx + a if a else idx)
     if not found:
@@ -274,7 +291,7 @@ def _nonzero(mask: torch.Tensor) -> torch.Tensor | None:
     return groups.index_select(0, inner // 8) * 8 + inner % 8
 
 
-def _changed(mirror: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
+def _changed(mirror: torch.Tensor, src: torch.Tensor, scratch: _Scratch) -> torch.Tensor | None:
     """Update ``mirror`` (flat) to ``src``'s bits where they differ; the indices that did (None if none).
     Narrow elements are compared 8 bytes at a time first, then one by one inside the words that differ."""
     size = mirror.element_size()
@@ -290,7 +307,7 @@ def _changed(mirror: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
             return None
         m_bits.index_copy_(0, idx, s_bits.index_select(0, idx))
         return idx
-    words = _nonzero(s_words != m_words)
+    words = _nonzero(torch.ne(s_words, m_words, out=scratch.get(s_words.numel(), torch.bool, s_words.device)))
     if words is None:
         return None
     old, new = m_words.index_select(0, words), s_words.index_select(0, words)
