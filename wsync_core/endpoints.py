@@ -107,6 +107,20 @@ class Buffer:
     tensor: torch.Tensor
     #: worker -> how many times it holds the buffer (queued for it, or being read by it)
     holders: Counter = field(default_factory=Counter)
+    #: the bytes of ``tensor`` its last publish delivers (its first ``used`` bytes; -1: all)
+    used: int = -1
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """What a publish of this buffer delivers: its first ``used`` bytes."""
+        return self.tensor if self.used < 0 else self.tensor[:self.used]
+
+
+def _prefix_of(view: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``view`` is ``tensor[:n]`` for some n."""
+    return (view.dim() == 1 and view.dtype == tensor.dtype and view.numel() <= tensor.numel()
+            and view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            and view.storage_offset() == tensor.storage_offset() and view.is_contiguous())
 
 
 class SenderBase(EndpointBase, SenderEndpoint):
@@ -179,11 +193,21 @@ class SenderBase(EndpointBase, SenderEndpoint):
             raise WorkerTimeoutError(f"{self.what}: all {len(self.buffers)} buffers are still held by workers "
                                      f"{holders} after {deadline.timeout:g} s", holders)
 
+    #: publish() takes the first bytes of a buffer (``buffer[:n]``) and delivers only those
+    prefix_publish = True
+
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        """Find ``buffer`` by identity and ``deliver`` it; raises TransportError for a buffer this
-        pool did not hand out, a header over MAX_HEADER_BYTES, or a closed endpoint."""
+        """Find ``buffer`` (or the buffer whose first bytes it is) and ``deliver`` it; raises
+        TransportError for a buffer this pool did not hand out, a header over MAX_HEADER_BYTES,
+        or a closed endpoint."""
         self.check_open()
         found = next((b for b in self.buffers if b.tensor is buffer), None)
+        if found is not None:
+            found.used = -1
+        else:
+            found = next((b for b in self.buffers if _prefix_of(buffer, b.tensor)), None)
+            if found is not None:
+                found.used = buffer.numel()
         if found is None:
             raise TransportError(f"{self.what}: publish() got a buffer that acquire() did not return")
         if len(header) > MAX_HEADER_BYTES:

@@ -80,6 +80,7 @@ def _wake(endpoint: _Sender | _Receiver) -> None:
 
 
 class _Sender(SenderEndpoint):
+    prefix_publish = True
     def __init__(self, transport: InprocTransport, ctx: SenderContext) -> None:
         self.name = transport.options["channel"]
         self.nbytes = ctx.layout.nbytes

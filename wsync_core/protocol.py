@@ -139,6 +139,11 @@ class Header:
 
     ``layout`` (the full sender layout, decoded JSON) is sent the first time a worker gets a
     payload, so a mismatch can be reported key by key.
+
+    ``wire``, ``table`` and ``base`` describe an encoded payload (``wsync_core.delta``): floating
+    tensors in dtype ``wire``; only the tensors or elements ``table`` lists; exact only for a
+    receiver holding version ``base`` or newer. ``nbytes`` is then the payload's size, smaller
+    than the layout's.
     """
 
     version: int
@@ -147,6 +152,14 @@ class Header:
     nbytes: int
     checksum: list[int] | None = None
     layout: Any = None
+    wire: str | None = None
+    table: list[list[int]] | None = None
+    base: int | None = None
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the payload is encoded (a wire dtype, a table or a base), not a plain full one."""
+        return self.wire is not None or self.table is not None or self.base is not None
 
     def encode(self) -> bytes:
         obj: dict[str, Any] = {
@@ -155,6 +168,12 @@ class Header:
         }
         if self.layout is not None:
             obj["l"] = self.layout
+        if self.wire is not None:
+            obj["w"] = self.wire
+        if self.table is not None:
+            obj["x"] = self.table
+        if self.base is not None:
+            obj["b"] = self.base
         return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
@@ -174,8 +193,18 @@ class Header:
         if layout is not None and not _layout_shaped(layout):
             raise TransportError(f"header field 'l' is malformed: {layout!r:.60} (expected a list of "
                                  f"[key, dtype, shape, offset, nbytes])")
+        wire, table, base = obj.get("w"), obj.get("x"), obj.get("b")
+        if wire is not None and not isinstance(wire, str):
+            raise TransportError(f"header field 'w' is malformed: {wire!r:.60}")
+        if table is not None and not (isinstance(table, list) and all(
+                isinstance(t, list) and len(t) == 3 and all(_is_int(x) and -1 <= x < 1 << 63 for x in t)
+                for t in table)):
+            raise TransportError(f"header field 'x' is malformed: {table!r:.60} (expected a list of "
+                                 f"[tensor, count, offset])")
+        if base is not None and not (_is_int(base) and 0 <= base < version):
+            raise TransportError(f"header field 'b' is malformed: {base!r:.60} (expected a version before {version})")
         return cls(version, _field(obj, "m", str, "header"), _field(obj, "d", str, "header"),
-                   nbytes, sums, layout)
+                   nbytes, sums, layout, wire, table, base)
 
 
 @dataclass(frozen=True)

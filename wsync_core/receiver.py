@@ -17,6 +17,7 @@ import torch
 
 from .deadline import Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
+from .delta import apply_ops, check_indices, decode_table, unpack_wire, wire_layout, WIRE_DTYPES
 from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
@@ -56,6 +57,14 @@ class Receiver:
         self.guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._leases = LeaseBook()
         self._adopted = _Adopted()
+        #: the newest version the sender announced to this worker (applied or not)
+        self.announced = -1
+
+    @property
+    def versions_behind(self) -> int:
+        """How many versions the newest one announced to this worker (as of its last receive) is
+        ahead of the one it holds: 0 when up to date."""
+        return max(0, self.announced - self.version)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -109,6 +118,7 @@ class Receiver:
                     _release(delivery)
                     self._reject(self.version, exc)
                     raise
+                self.announced = max(self.announced, header.version)
                 if header.version > (best[1].version if best else self.version):
                     if best is not None:
                         _release(best[0])
@@ -128,6 +138,8 @@ class Receiver:
                 endpoint.ack(Ack(self.worker_idx, self.version).encode())
             return None
         delivery, header = best
+        if header.base is not None and not header.base <= self.version:
+            return self._refuse_delta(delivery, header)
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
         with self.guard():  # the worker's safe point: its model is not in use in here
             try:
@@ -186,6 +198,16 @@ class Receiver:
                             t.copy_(held[key])
             self.source = model
 
+    def _refuse_delta(self, delivery: Delivery, header: Header) -> None:
+        """A delta for a base this worker does not hold: apply nothing, and ask for a full payload
+        (an ack of type BaseMismatch, which the sender answers with the newest version in full)."""
+        _release(delivery)
+        why = (f"worker {self.worker_idx} holds version {self.version}; version {header.version} came as a delta "
+               f"from version {header.base}: asking for a full payload")
+        log.info("%s", why)
+        self.endpoint.ack(Ack(self.worker_idx, self.version, why, "BaseMismatch").encode())
+        return None
+
     def _reject(self, version: int, exc: WsyncError) -> None:
         log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
         self.endpoint.ack(Ack(self.worker_idx, version, str(exc), type(exc).__name__).encode())
@@ -209,6 +231,8 @@ class Receiver:
                 theirs.check_matches(layout, context=where)
             raise SchemaMismatchError(f"{where}: sender layout {header.digest[:12]} differs from this "
                                       f"model's {layout.digest[:12]}")
+        if header.encoded:
+            return self._apply_encoded(delivery, header, where)
         payload = delivery.payload
         if (header.nbytes != layout.nbytes or not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
                 or payload.dim() != 1 or payload.numel() != layout.nbytes):
@@ -235,6 +259,51 @@ class Receiver:
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         return bool(adopted)
+
+    def _apply_encoded(self, delivery: Delivery, header: Header, where: str) -> bool:
+        """Apply an encoded payload (``wsync_core.delta``: a wire dtype, a table, a base): check the
+        header's table and every index first, then write into the model's tensors in place (those
+        that view adopted memory too: an adoptable delivery's memory is this worker's own). Never
+        adopts (returns False). Nothing is written on error."""
+        layout = self.layout
+        if header.wire is not None and header.wire not in WIRE_DTYPES:
+            raise TransportError(f"{where}: unknown wire dtype {header.wire!r}")
+        wire = wire_layout(layout, header.wire)
+        payload = delivery.payload
+        size = payload.numel() if isinstance(payload, torch.Tensor) else -1
+        if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
+                or payload.device.type == "meta" or not header.nbytes <= size <= layout.nbytes):
+            raise TransportError(f"{where}: payload has {size if size >= 0 else 'no tensor'} bytes (header says "
+                                 f"{header.nbytes}, at most {layout.nbytes})")
+        payload = payload[:header.nbytes]
+        if header.checksum is not None and checksum(payload) != header.checksum:
+            raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
+        if header.table is None:
+            if header.base is not None or header.nbytes != wire.nbytes:
+                raise TransportError(f"{where}: a full payload in {header.wire} has {header.nbytes} bytes, "
+                                     f"expected {wire.nbytes}")
+            ops, indices = None, None
+        elif header.base is None:
+            raise TransportError(f"{where}: a partial payload names no base version")
+        else:
+            ops = decode_table(header.table, layout, wire, header.nbytes, where)
+            indices = check_indices(ops, payload, where)
+        targets = flatten(self.source, self.strategy, detach=False)
+        layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
+        if meta_keys(targets):
+            if ops is not None:
+                raise TransportError(f"{where}: a partial payload for a model that holds no data yet")
+            materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
+            targets = flatten(self.source, self.strategy, detach=False)
+        layout.check_writable(targets, context=where)
+        if ops is None:
+            unpack_wire(wire, payload, targets)
+        else:
+            apply_ops(ops, indices, payload, targets)
+        restore_extra_state(self.source, targets)
+        if payload.is_cuda or any(t.is_cuda for t in targets.values()):
+            torch.cuda.synchronize()
+        return False
 
 
 class _Adopted:

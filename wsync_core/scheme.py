@@ -21,7 +21,10 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
+
 from .deadline import Deadline
+from .delta import check_wire_dtype
 from .errors import StateError
 from .receiver import Receiver
 from .registry import resolve_transport
@@ -48,6 +51,15 @@ class WeightSyncScheme:
     ``transport`` is an entry-point name (see ``list_transports()``) or a Transport object;
     ``options`` go to the transport. ``timeout`` (seconds) bounds every blocking call unless the
     call says otherwise; ``math.inf`` waits forever.
+
+    Sending less (docs/api.md): ``delta=True`` sends each worker only the elements that changed
+    since the version it holds (values, compared bit for bit), or a full payload when that is
+    cheaper or its version is unknown or older than the last ``delta_bases`` versions; the
+    sender then keeps one copy of the model (in the wire dtype) and the changed indices of the
+    last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
+    goes full (default 0.5; 0.1 on zero-copy transports). ``wire_dtype`` (torch.bfloat16,
+    torch.float16 or torch.float32): floating tensors travel in it and arrive as
+    ``x.to(wire_dtype).to(model_dtype)``.
     """
 
     def __init__(
@@ -57,12 +69,22 @@ class WeightSyncScheme:
         strategy: str = "tensordict",
         sync: bool = True,
         timeout: float = 60.0,
+        delta: bool = False,
+        delta_bases: int = 2,
+        delta_dense: float | None = None,
+        wire_dtype: torch.dtype | None = None,
         **options: Any,
     ) -> None:
         Deadline(timeout)  # validates
+        if isinstance(delta_bases, bool) or not isinstance(delta_bases, int) or delta_bases < 1:
+            raise ValueError(f"delta_bases must be an int >= 1, got {delta_bases!r}")
+        if delta_dense is not None and not (isinstance(delta_dense, (int, float)) and 0 <= delta_dense <= 1):
+            raise ValueError(f"delta_dense must be a number in [0, 1] or None, got {delta_dense!r}")
+        wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
         self._config = {"strategy": check_strategy(strategy), "sync": bool(sync),
-                        "timeout": float(timeout), "model_id": None}
+                        "timeout": float(timeout), "model_id": None, "delta": bool(delta),
+                        "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
         self._reset()
 
     # -- configuration and pickling -------------------------------------------------------------
@@ -108,6 +130,23 @@ class WeightSyncScheme:
         -1 before connect.
         """
         return self._role.version if self._role is not None else -1
+
+    @property
+    def delta(self) -> bool:
+        return self._config.get("delta", False)
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        from .delta import WIRE_DTYPES
+
+        wire = self._config.get("wire_dtype")
+        return None if wire is None else WIRE_DTYPES[wire]
+
+    @property
+    def versions_behind(self) -> int:
+        """Receiver: how many versions the newest one announced to this worker (as of its last
+        receive) is ahead of the one it holds; 0 when up to date (and on a sender)."""
+        return self._role.versions_behind if isinstance(self._role, Receiver) else 0
 
     @property
     def worker_idx(self) -> int | None:
@@ -214,20 +253,24 @@ class WeightSyncScheme:
             if (model is None) == (weights is None):
                 raise ValueError("init_on_sender() needs exactly one of model= or weights=")
             self._role = Sender(self._transport, model if model is not None else weights, num_workers=num_workers,
-                                model_id=model_id, strategy=self.strategy, lock=self._lock)
+                                model_id=model_id, strategy=self.strategy, lock=self._lock,
+                                delta=self._config.get("delta", False), delta_bases=self._config.get("delta_bases", 2),
+                                wire_dtype=self._config.get("wire_dtype"), delta_dense=self._config.get("delta_dense"))
             self._config["model_id"] = model_id
             self._state = _State.SENDER
 
     def send(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
-             timeout: float | None = None) -> int:
+             timeout: float | None = None, *, keys: Iterable[str] | None = None) -> int:
         """Snapshot ``weights`` (default: the model given to init_on_sender) and send it.
 
-        Returns the new version. With ``sync=True`` it returns once every target applied it;
+        With ``keys``, the new version is the previous one with only those tensors taken from
+        ``weights`` (e.g. an adapter), applied atomically like any version; ValueError for an
+        unknown key. Returns the new version. With ``sync=True`` it returns once every target applied it;
         raises WorkerTimeoutError naming the targets that did not (the others are updated).
         Raises SchemaMismatchError if ``weights`` does not match, before anything is sent.
         """
         deadline = self._deadline(timeout)  # one deadline for the snapshot and the acks
-        handle = self._send_async(weights, worker_ids, deadline)
+        handle = self._send_async(weights, worker_ids, deadline, keys)
         if self.sync:
             with self._lock:
                 self._expect(_State.SENDER_CONNECTED, "send")
@@ -235,15 +278,16 @@ class WeightSyncScheme:
         return handle.version
 
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
-                   timeout: float | None = None) -> SendHandle:
+                   timeout: float | None = None, *, keys: Iterable[str] | None = None) -> SendHandle:
         """Snapshot and send like ``send``, but return at once with a handle to ``wait`` on."""
-        return self._send_async(weights, worker_ids, self._deadline(timeout))
+        return self._send_async(weights, worker_ids, self._deadline(timeout), keys)
 
-    def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline) -> SendHandle:
+    def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
+                    keys: Iterable[str] | None = None) -> SendHandle:
         self._adopt_fork()
         with self._lock:
             self._expect(_State.SENDER_CONNECTED, "send")
-            return self._role.send_async(weights, worker_ids, deadline, self._wait)
+            return self._role.send_async(weights, worker_ids, deadline, self._wait, keys)
 
     def _wait(self, handle: SendHandle, timeout: float | None) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .deadline import Deadline
+from .delta import Mirror, wire_layout
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
 from .layout import Layout, clip_keys
 from .protocol import Ack, Header, checksum
@@ -31,6 +32,8 @@ log = logging.getLogger("wsync")
 
 #: how many unfinished sends a sender remembers (an ack for v also completes every send before v)
 _MAX_PENDING = 256
+#: how long a sender waits for a buffer to send a joiner the newest version in full (seconds)
+_FULL_ACQUIRE_S = 5.0
 #: how often a connected sender answers its transport between calls (seconds)
 _SERVICE_INTERVAL = 0.01
 _ERROR_TYPES: dict[str, type[WsyncError]] = {
@@ -71,7 +74,8 @@ class Sender:
     """One model sent to ``num_workers`` workers through ``transport``; used under ``lock``."""
 
     def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: str,
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, delta: bool = False, delta_bases: int = 2, wire_dtype: str | None = None,
+                 delta_dense: float | None = None) -> None:
         """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on
         the meta device or a bad ``num_workers``, TypeError for weights of another type."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -105,6 +109,18 @@ class Sender:
         self._pending: OrderedDict[int, tuple[SendReport, float]] = OrderedDict()
         self._service: threading.Thread | None = None
         self.stop_service = threading.Event()
+        #: floating tensors travel in this dtype (None: the model's)
+        self.wire = wire_dtype
+        self.wire_layout = wire_layout(self.layout, wire_dtype)
+        #: delta=True: the newest version as sent, and what the last versions changed
+        self.mirror = Mirror(self.layout, wire_dtype, delta_bases, device_of(tensors)) if delta else None
+        if delta_dense is None:  # on shared memory a full payload is one copy and is adopted as it is
+            delta_dense = 0.1 if transport.capabilities.zero_copy else 0.5
+        #: a delta larger than this share of a full payload is sent as a full one
+        self.delta_dense = float(delta_dense)
+        #: the newest version each worker acked since it (re)joined: the base of its next delta
+        self._holds: dict[int, int] = {}
+        self._numel = sum(t.numel() for t in tensors.values())
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -139,19 +155,37 @@ class Sender:
         with self.lock:
             self.endpoint.close()
             self._latest = None
+            if self.mirror is not None:
+                self.mirror.release()
             self.connected = False
 
     # -- sending --------------------------------------------------------------------------------
     def send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
-                   wait: Callable[[SendHandle, float | None], None]) -> SendHandle:
-        """Snapshot ``weights`` (default: the source) and publish it as the next version."""
+                   wait: Callable[[SendHandle, float | None], None], keys: Iterable[str] | None = None) -> SendHandle:
+        """Snapshot ``weights`` (default: the source) and publish it as the next version (with
+        ``keys``: the previous version with those tensors replaced)."""
         targets = self._targets(worker_ids)
+        chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
         self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
                                context="send(weights=...)")
         self._pump(Deadline(0.0))
-        version = self._publish_new(tensors, targets, deadline, version=self.version + 1)
+        version = self._publish_new(tensors, targets, deadline, version=self.version + 1, keys=chosen)
         return SendHandle(self, wait, version, targets)
+
+    def _keys(self, keys: Iterable[str] | None) -> list[str] | None:
+        """``keys`` checked against the layout, sorted; raises ValueError for none or an unknown one."""
+        if keys is None:
+            return None
+        if isinstance(keys, str):
+            keys = [keys]
+        chosen = sorted(set(keys))
+        known = {e.key for e in self.layout.entries}
+        unknown = [k for k in chosen if not isinstance(k, str) or k not in known]
+        if unknown or not chosen:
+            raise ValueError(f"send(keys=...) needs a non-empty list of the model's keys; unknown: "
+                             f"{clip_keys([repr(k) if not isinstance(k, str) else k for k in unknown])}")
+        return chosen
 
     def _targets(self, worker_ids: Iterable[int] | None) -> list[int]:
         if worker_ids is None:
@@ -165,7 +199,9 @@ class Sender:
         return targets
 
     def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
-                     version: int) -> int:
+                     version: int, keys: list[str] | None = None) -> int:
+        if self.mirror is not None or self.wire is not None or keys is not None:
+            return self._publish_encoded(tensors, targets, deadline, version, keys)
         endpoint = self.endpoint
         t0 = time.perf_counter()
         buffer = endpoint.acquire(deadline)
@@ -182,7 +218,9 @@ class Sender:
         t1 = time.perf_counter()
         self.version = version
         self._latest = (buffer, header)
-        report = SendReport(version, self.layout.nbytes, targets, snapshot_s=t1 - t0)
+        report = SendReport(version, self.layout.nbytes, targets, snapshot_s=t1 - t0,
+                            worker_nbytes={w: self.layout.nbytes for w in targets if w in self._joined},
+                            full_nbytes=self.layout.nbytes, changed=None)
         self._pending[version] = (report, t0)
         while len(self._pending) > _MAX_PENDING:
             self._pending.popitem(last=False)
@@ -195,8 +233,141 @@ class Sender:
                   report.snapshot_s * 1e3)
         return version
 
+    # -- encoded payloads (wsync_core.delta) ---------------------------------------------------
+    def _publish_encoded(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
+                         version: int, keys: list[str] | None) -> int:
+        """Publish ``version`` with a wire dtype, a key subset or deltas: each joined target gets
+        what changed since the version it holds where that is known, kept and small enough, else
+        a full payload; targets at the same version share one payload."""
+        t0 = time.perf_counter()
+        mirror = self.mirror
+        joined = [w for w in targets if w in self._joined]
+        report = SendReport(version, 0, targets, full_nbytes=self.wire_layout.nbytes)
+        payloads: list[tuple[list[int], Callable[[torch.Tensor], tuple[Header, int]]]] = []
+        if mirror is None:  # a wire dtype or a key subset, without delta: a full payload
+            if keys is not None and self._latest is None:
+                raise StateError("send(keys=...) before version 0 was published")
+            previous = self._latest[0] if keys is not None else None
+            payloads.append((joined, lambda buf: self._pack_full(buf, version, tensors, keys, previous)))
+            t1 = t0
+        else:
+            if mirror.version < 0:
+                mirror.reset(tensors, version)
+                changed = self._numel
+            else:
+                changed = mirror.update(tensors, version, keys)
+            self.version = version  # the mirror holds it now: a later failure leaves it unsent, not lost
+            t1 = time.perf_counter()
+            report.diff_s = t1 - t0
+            report.changed = changed / self._numel if self._numel else 0.0
+            groups: dict[int | None, list[int]] = {}
+            for w in joined:
+                groups.setdefault(self._holds.get(w), []).append(w)
+            for base, ws in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+                changes = mirror.since(base) if base is not None else None
+                if changes is not None and mirror.delta_nbytes(changes) <= self.delta_dense * mirror.wire.nbytes:
+                    payloads.append((ws, lambda buf, c=changes, b=base: self._pack_delta(buf, version, c, b)))
+                    report.delta_workers += ws
+                else:
+                    payloads.append((ws, lambda buf: self._pack_mirror(buf, version)))
+            if not payloads:
+                self._latest = None
+        published: list[tuple[torch.Tensor, Header, list[int]]] = []
+        for ws, pack in payloads:
+            buffer = self.endpoint.acquire(deadline)
+            header, used = pack(buffer)
+            if buffer.is_cuda:
+                torch.cuda.current_stream(buffer.device).synchronize()
+            published.append((self._publish_to(buffer, used, header, ws), header, ws))
+            for w in ws:
+                report.worker_nbytes[w] = used if self._moves_prefix() else buffer.numel()
+        t2 = time.perf_counter()
+        report.snapshot_s = t2 - t1
+        report.nbytes = max(report.worker_nbytes.values(), default=0)
+        self.version = version
+        full = [(b, h) for b, h, _ in published if h.table is None]
+        if full or mirror is None:
+            self._latest = full[-1] if full else None
+        elif published:
+            self._latest = None  # a joiner gets the mirror in full
+        self._pending[version] = (report, t0)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        self.last_report = report
+        for w in targets:
+            self._rejected.pop(w, None)
+        report.publish_s = time.perf_counter() - t2
+        log.debug("version %d: %s bytes to %s (%s deltas), diff %.3f ms", version, report.worker_nbytes, targets,
+                  report.delta_workers, report.diff_s * 1e3)
+        return version
+
+    def _moves_prefix(self) -> bool:
+        """Whether only the used bytes of a payload move (the rest of the buffer stays behind)."""
+        return bool(getattr(self.endpoint, "prefix_publish", False)) or self.transport.capabilities.zero_copy
+
+    def _header(self, version: int, buffer: torch.Tensor, used: int, table: list[list[int]] | None = None,
+                base: int | None = None) -> Header:
+        sums = checksum(buffer[:used]) if self.transport.checksum else None
+        return Header(version, self.model_id, self.layout.digest, used, sums, wire=self.wire, table=table, base=base)
+
+    def _pack_full(self, buffer: torch.Tensor, version: int, tensors: dict[str, torch.Tensor],
+                   keys: list[str] | None, previous: torch.Tensor | None) -> tuple[Header, int]:
+        """A full payload in the wire layout: ``tensors`` cast (only ``keys`` over ``previous``)."""
+        wire = self.wire_layout
+        wanted = None if keys is None else set(keys)
+        with torch.no_grad():
+            if previous is not None and previous.data_ptr() != buffer.data_ptr():
+                buffer[:wire.nbytes].copy_(previous[:wire.nbytes])
+            for e in wire.entries:
+                if e.nbytes and (wanted is None or e.key in wanted):
+                    Layout.view(buffer, e).copy_(tensors[e.key])
+        return self._header(version, buffer, wire.nbytes), wire.nbytes
+
+    def _pack_mirror(self, buffer: torch.Tensor, version: int) -> tuple[Header, int]:
+        self.mirror.pack(buffer)
+        used = self.mirror.wire.nbytes
+        return self._header(version, buffer, used), used
+
+    def _pack_delta(self, buffer: torch.Tensor, version: int, changes: dict, base: int) -> tuple[Header, int]:
+        encoded = self.mirror.encode(changes, buffer)
+        return self._header(version, buffer, encoded.nbytes, encoded.table, base), encoded.nbytes
+
+    def _publish_to(self, buffer: torch.Tensor, used: int, header: Header, workers: list[int]) -> torch.Tensor:
+        """Publish the first ``used`` bytes of ``buffer`` (all of it unless the transport takes a
+        prefix) to ``workers``; a worker's first delivery carries the layout. Returns what was published."""
+        if used < buffer.numel() and getattr(self.endpoint, "prefix_publish", False):
+            buffer = buffer[:max(used, 1)]  # never an empty view: some transports find buffers by address
+        known = [w for w in workers if w in self._layout_sent]
+        fresh = [w for w in workers if w not in self._layout_sent]
+        if known:
+            self.endpoint.publish(buffer, header.encode(), known)
+        if fresh:
+            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.checksum,
+                          layout=json.loads(self.layout.to_json()), wire=header.wire, table=header.table,
+                          base=header.base)
+            self.endpoint.publish(buffer, full.encode(), fresh)
+            self._layout_sent.update(fresh)
+        return buffer
+
+    def _deliver_full(self, workers: list[int]) -> None:
+        """Publish the newest version in full (from the mirror) to ``workers``: a joiner, or a worker
+        that refused a delta. A worker that cannot get it now gets a full payload at the next send."""
+        if not workers or self.mirror is None or self.mirror.version != self.version or self.version < 0:
+            return
+        try:
+            buffer = self.endpoint.acquire(Deadline(_FULL_ACQUIRE_S))
+        except WorkerTimeoutError as exc:
+            log.warning("workers %s get version %d at the next send: %s", workers, self.version, exc)
+            return
+        header, used = self._pack_mirror(buffer, self.version)
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+        self._latest = (self._publish_to(buffer, used, header, workers), header)
+
     def _deliver(self, workers: list[int]) -> None:
         """Publish the latest snapshot to ``workers``; a worker's first delivery carries the layout."""
+        if workers and self._latest is None and self.mirror is not None:
+            return self._deliver_full(workers)
         if not workers or self._latest is None:
             return
         buffer, header = self._latest
@@ -206,7 +377,7 @@ class Sender:
             self.endpoint.publish(buffer, header.encode(), known)
         if fresh:
             full = Header(header.version, header.model_id, header.digest, header.nbytes, header.checksum,
-                          layout=json.loads(self.layout.to_json()))
+                          layout=json.loads(self.layout.to_json()), wire=header.wire)
             self.endpoint.publish(buffer, full.encode(), fresh)
             self._layout_sent.update(fresh)
 
@@ -232,11 +403,13 @@ class Sender:
             self._joined.add(w)
             self._left.discard(w)
             self._acked[w] = -1
+            self._holds.pop(w, None)
             self._layout_sent.discard(w)
             self._deliver([w])
         elif isinstance(event, Left):
             log.info("worker %d left: %s", w, event.reason)
             self._joined.discard(w)
+            self._holds.pop(w, None)
             self._left.add(w)
         elif isinstance(event, Acked):
             try:
@@ -247,10 +420,17 @@ class Sender:
                 log.warning("worker %d sent a malformed ack: %s", w, exc)
                 self._rejected[w] = Ack(w, self.version, f"malformed ack: {exc}", "TransportError")
                 return
+            if ack.error_type == "BaseMismatch":  # it holds less than a delta needed: send it the newest in full
+                log.info("worker %d: %s", w, ack.error)
+                self._holds.pop(w, None)
+                self._deliver_full([w]) if self.mirror is not None else self._deliver([w])
+                return
             if ack.error is not None:
                 log.warning("worker %d rejected version %d: %s", w, ack.version, ack.error)
                 self._rejected[w] = ack
                 return
+            if ack.version >= 0:
+                self._holds[w] = max(self._holds.get(w, -1), ack.version)
             if ack.version > self._acked[w]:
                 previous, self._acked[w] = self._acked[w], ack.version
                 now = time.perf_counter()

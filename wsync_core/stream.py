@@ -535,10 +535,11 @@ class StreamSender(_Loop, SenderBase):
         """Queue the pending delivery once the previous one is written."""
         buffer, header = conn.pending
         conn.pending, conn.writing = None, buffer
-        size = self.ctx.layout.nbytes if conn.fits else 0
+        payload = buffer.payload
+        size = payload.numel() if conn.fits else 0
         conn.push(frame(Kind.DELIVER, header, len(header), size))
         if size:
-            conn.out.append(memoryview(buffer.tensor.numpy()).cast("B"))
+            conn.out.append(memoryview(payload.numpy()).cast("B"))
         self._flush(conn, watch)
 
     def _written(self, conn: _Conn) -> None:
@@ -733,7 +734,7 @@ class StreamReceiver(_Loop, ReceiverBase):
             raise EOFError("the sender shut down")
         elif f.kind == Kind.DELIVER:
             payload = f.payload
-            if payload is None and f.b == 0 == self.ctx.layout.nbytes:
+            if payload is None and f.b == 0:
                 self.put(Delivery(f.body, torch.empty(0, dtype=torch.uint8)))
             elif payload is None:  # another size than this model: the core names the mismatch
                 self.put(Delivery(f.body, torch.empty(f.b, dtype=torch.uint8, device="meta")))
@@ -745,8 +746,10 @@ class StreamReceiver(_Loop, ReceiverBase):
         return [self.conn.stream] if self.conn is not None else []
 
     def _target(self, size: int) -> torch.Tensor | None:
-        if size != self.ctx.layout.nbytes:
+        if not 0 < size <= self.ctx.layout.nbytes:
             return None
+        if size != self.ctx.layout.nbytes:  # a partial payload (wsync_core.delta): never recycled
+            return torch.empty(size, dtype=torch.uint8)
         with self.cond:
             return self._spare.pop() if self._spare else torch.empty(size, dtype=torch.uint8)
 
@@ -755,7 +758,7 @@ class StreamReceiver(_Loop, ReceiverBase):
 
         def release() -> None:
             with self.cond:
-                if not done and self.is_open and len(self._spare) < 2:
+                if not done and self.is_open and len(self._spare) < 2 and payload.numel() == self.ctx.layout.nbytes:
                     self._spare.append(payload)
                 done.append(True)
 

@@ -168,6 +168,12 @@ class SenderEndpoint(ABC):
     #: snapshot in pieces of about this size, calling ``ready`` after each, so the transport can
     #: move the first bytes while the rest is copied. 0 (the default): no ``ready`` calls.
     stream_bytes: int = 0
+    #: A transport that sets this accepts ``publish(buffer[:n], ...)``, the first ``n`` bytes of a
+    #: buffer ``acquire`` returned, and delivers only those bytes (the receiver's payload then has
+    #: ``n`` bytes): the core sends encoded payloads that way (deltas, a wire dtype; see
+    #: ``wsync_core.delta``). Otherwise the core publishes the whole buffer and the receiver's core
+    #: reads the first ``n`` bytes. Optional: interface 1 is unchanged.
+    prefix_publish: bool = False
 
     def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
         """Bytes ``[0, nbytes)`` of ``buffer`` (from the last ``acquire``) now hold the snapshot

@@ -79,3 +79,20 @@ def test_bad_arguments_exit_2(capsys) -> None:
     assert cli_main(["bench", "--sizes", "lots"]) == 2
     assert cli_main(["bench", "--compare", "ray"]) == 2
     assert "bad size" in capsys.readouterr().err
+
+
+def test_delta_cli_smoke(tmp_path, capsys) -> None:
+    """``wsync bench --delta``: full, delta and adapter rows, bytes and latencies, one worker process."""
+    if not _installed("shm"):
+        pytest.skip("the shm transport is not installed")
+    out_json = tmp_path / "d.json"
+    rc = cli_main(["bench", "--delta", "--transports", "shm", "--sizes", "4MiB", "--workers", "1",
+                   "--repeat", "2", "--json", str(out_json)])
+    assert rc == 0, capsys.readouterr().out
+    rows = {r["case"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {"full", "delta", "adapter"}
+    assert all(r["error"] is None and len(r["latencies_s"]) == 2 for r in rows.values())
+    assert rows["delta"]["bytes_median"] < rows["full"]["bytes_median"]
+    assert rows["adapter"]["bytes_median"] < rows["full"]["bytes_median"]
+    assert "adapter" in capsys.readouterr().out
+    assert not multiprocessing.active_children()

@@ -19,8 +19,19 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="", help="comma-separated: torchrl")
     p.add_argument("--json", dest="json_file", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--delta", action="store_true",
+                   help="time full, delta and adapter (keys=) sends of a bfloat16 model side by side")
+    p.add_argument("--changed", type=float, default=0.01, help="with --delta: share of elements changed per step")
+
+
+def _main(args: argparse.Namespace) -> int:
+    if getattr(args, "delta", False):
+        from .delta import main as delta_main
+
+        return delta_main(args)
+    return main(args)
 
 
 @hookimpl
 def wsync_register_commands(register) -> None:
-    register("bench", "time transports side by side on this machine", _configure, main)
+    register("bench", "time transports side by side on this machine", _configure, _main)

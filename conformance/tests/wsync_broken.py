@@ -21,7 +21,7 @@ from wsync_core.transport import Joined
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
-           "SharedAdoptable", "EagerReceiver", "BlockedInC"]
+           "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -388,3 +388,26 @@ BlockedInC = _transport("BlockedInC", sender=_BlockedInC)
 BROKEN["BlockedInC"] = "live"
 # the process running the hung test is ended; wsync conformance goes on with the ordered test
 SELECT["BlockedInC"] = "test_versioned_counts_and_content or test_ordered_sender"
+
+
+class _CorruptDelta(_Receiver):
+    """Flips the first value byte of every delta (a payload with a base): a bug only exactness sees."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        header = json.loads(delivery.header)
+        table = header.get("x")
+        if header.get("b") is None or not table:
+            return delivery
+        i, count, offset = table[0]
+        at = offset if count < 0 else offset + (count * 4 + 63) // 64 * 64
+        payload = delivery.payload.clone()
+        payload[at] ^= 0x5A
+        return Delivery(delivery.header, payload)
+
+
+CorruptDelta = _transport("CorruptDelta", receiver=_CorruptDelta)
+BROKEN["CorruptDelta"] = "exact"
+SELECT["CorruptDelta"] = "test_delta_exact_sparse_changes"

@@ -7,6 +7,7 @@ from .atomic import AtomicChecks
 from .capabilities import CapabilityChecks
 from .base import SuiteBase
 from .clean import CleanChecks
+from .delta import DeltaChecks
 from .endpoint import EndpointChecks
 from .exact import ExactChecks
 from .isolated import IsolatedChecks
@@ -19,4 +20,5 @@ from .targeted import TargetedChecks
 from .versioned import VersionedChecks
 
 __all__ = ["SuiteBase", "ExactChecks", "IsolatedChecks", "AtomicChecks", "VersionedChecks", "LifecycleChecks",
-           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks"]
+           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks",
+           "DeltaChecks"]

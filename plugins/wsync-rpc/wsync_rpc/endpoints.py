@@ -352,7 +352,10 @@ class RpcSender(SenderBase):
         head, buffer = self.pending.pop(worker)
         self.inflight.add(worker)
         try:
-            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, buffer.tensor),
+            payload = buffer.payload  # a prefix for the core's deltas: copied, RPC would send its whole storage
+            if payload.numel() < buffer.tensor.numel():
+                payload = payload.clone()
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, payload),
                                 timeout=self.timeout)
         except RuntimeError as exc:
             self.inflight.discard(worker)

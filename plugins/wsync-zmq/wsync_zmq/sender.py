@@ -134,10 +134,10 @@ class ZmqSender(EndpointBase, SenderEndpoint):
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self, deadline: Deadline) -> torch.Tensor:
         self.check_open()
-        busy = {id(buf) for buf, _ in self._waiting.values()}
+        busy = {buf.data_ptr() for buf, _ in self._waiting.values()}  # a prefix shares its slot's address
         if self._latest is not None:
-            busy.add(id(self._latest))
-        free = [s for s in self._slots if id(s.tensor) not in busy and not s.sending()]
+            busy.add(self._latest.data_ptr())
+        free = [s for s in self._slots if s.tensor.data_ptr() not in busy and not s.sending()]
         if free:
             for extra in free[1:]:  # keep one spare; the rest were only needed while peers lagged
                 self._slots.remove(extra)
@@ -146,12 +146,19 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         self._slots.append(slot)
         return slot.tensor
 
+    #: publish(buffer[:n]) sends only those n bytes (the core's deltas and wire dtypes)
+    prefix_publish = True
+
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
         self.check_open()
         self._read_peers()  # the wants that came in since the last poll
-        self._latest = buffer
-        if not any(s.tensor is buffer for s in self._slots):
-            self._slots.append(_Slot(buffer))
+        slot = next((s for s in self._slots if s.tensor is buffer), None)
+        if slot is None and buffer.numel() < self._nbytes:  # the first bytes of a slot: send those
+            slot = next((s for s in self._slots if s.tensor.data_ptr() == buffer.data_ptr()), None)
+        if slot is None:
+            slot = _Slot(buffer)
+            self._slots.append(slot)
+        self._latest = slot.tensor
         for w in workers:
             if w not in self._peers:
                 log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
@@ -196,7 +203,7 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         del frame  # the frame's own reference would keep its tracker pending
         self._inflight[w] = tracker
         for slot in self._slots:
-            if slot.tensor is buffer:
+            if slot.tensor is buffer or slot.tensor.data_ptr() == buffer.data_ptr() and buffer.numel():
                 slot.trackers.append(tracker)
 
     # -- events -------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Sending less in the core: delta=True, send(keys=...), wire_dtype=, the SendReport figures and
+versions_behind (inproc receivers as threads; every transport runs wsync_conformance's DeltaChecks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from core_helpers import same
+from wsync_core import TransportError, WeightSyncScheme
+from wsync_core.delta import Mirror, apply_ops, check_indices, decode_table, wire_layout
+from wsync_core.layout import Layout
+from wsync_core.weights import flatten
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool,
+          torch.complex64, torch.complex128, torch.uint8]
+
+
+def model_of(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, dtype in enumerate(DTYPES):
+        n = 50 + 37 * i
+        raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
+        out[f"t{i}"] = (raw % 2).bool() if dtype is torch.bool else raw.view(dtype)
+    out["empty"] = torch.empty(0)
+    out["scalar"] = torch.tensor(1.5)
+    out["matrix"] = torch.randn(7, 9, generator=g)
+    out["big"] = torch.randn(100, 300, generator=g)
+    return out
+
+
+def scramble(weights: dict[str, torch.Tensor], seed: int, share: float) -> None:
+    """New random bits (NaN payloads, -0.0 among them) in about ``share`` of the elements."""
+    g = torch.Generator().manual_seed(seed)
+    for t in weights.values():
+        if not t.numel():
+            continue
+        flat = t.view(-1)
+        mask = torch.rand(flat.shape, generator=g) < share
+        fresh = torch.randint(0, 256, (flat.numel() * t.element_size(),), generator=g, dtype=torch.uint8).view(t.dtype)
+        if t.dtype is torch.bool:
+            fresh = fresh.view(torch.uint8).bool()
+        flat[mask] = fresh[mask]
+
+
+def cast(weights: dict[str, torch.Tensor], wire: torch.dtype | None) -> dict[str, torch.Tensor]:
+    if wire is None:
+        return weights
+    return {k: t.to(wire).to(t.dtype) if t.is_floating_point() else t for k, t in weights.items()}
+
+
+@settings(max_examples=15, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**31), min_size=1, max_size=4),
+       shares=st.lists(st.sampled_from([0.0, 0.001, 0.05, 0.6, 1.0]), min_size=4, max_size=4),
+       wire=st.sampled_from([None, torch.bfloat16, torch.float16]), base_back=st.integers(1, 3))
+def test_mirror_round_trip_is_bit_exact(seeds, shares, wire, base_back) -> None:
+    """A receiver at any kept base applies the mirror's delta and equals the newest version
+    (cast through the wire dtype) bit for bit: every dtype, NaN payloads, -0.0."""
+    weights = model_of(seeds[0])
+    layout = Layout.of(weights)
+    mirror = Mirror(layout, None if wire is None else {torch.bfloat16: "bfloat16", torch.float16: "float16"}[wire],
+                    3, torch.device("cpu"))
+    mirror.reset(weights, 0)
+    held = {0: {k: v.clone() for k, v in cast(weights, wire).items()}}
+    for v, (seed, share) in enumerate(zip(seeds * 4, shares), start=1):
+        scramble(weights, seed + v, share)
+        mirror.update(weights, v, None)
+        held[v] = {k: x.clone() for k, x in cast(weights, wire).items()}
+    newest = mirror.version
+    base = max(0, newest - base_back)
+    changes = mirror.since(base)
+    if newest - base > 3:
+        assert changes is None
+        return
+    buffer = torch.zeros(layout.nbytes + 64, dtype=torch.uint8)
+    encoded = mirror.encode(changes, buffer)
+    assert encoded.nbytes == mirror.delta_nbytes(changes)
+    payload = buffer[:encoded.nbytes]
+    target = {k: x.clone() for k, x in held[base].items()}
+    ops = decode_table(encoded.table, layout, mirror.wire, encoded.nbytes, "test")
+    apply_ops(ops, check_indices(ops, payload, "test"), payload, target)
+    assert same(target, held[newest])
+
+
+def test_delta_sends_only_changes_and_stays_exact(cluster) -> None:
+    weights = model_of(1)
+    c = cluster(n=2, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
+    for step in range(4):
+        scramble(weights, step, 0.01)
+        v = c.sender.send()
+        report = c.sender.last_report
+        assert sorted(report.delta_workers) == [0, 1]
+        assert report.nbytes == report.worker_nbytes[0] < report.full_nbytes / 5
+        assert 0 < report.changed < 0.05 and report.diff_s > 0 and report.acks_s is not None
+        for r in c.receivers:
+            assert r.scheme.version == v and same(r.model, weights)
+            assert r.scheme.versions_behind == 0
+
+
+def test_dense_change_goes_full(cluster) -> None:
+    weights = model_of(2)
+    c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
+    scramble(weights, 5, 1.0)
+    c.sender.send()
+    report = c.sender.last_report
+    assert report.delta_workers == [] and report.nbytes == report.full_nbytes
+    assert same(c.receivers[0].model, weights)
+
+
+def test_worker_beyond_kept_bases_gets_full(cluster) -> None:
+    weights = model_of(3)
+    c = cluster(n=2, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
+                delta=True, delta_bases=2)
+    for step in range(3):
+        scramble(weights, 10 + step, 0.01)
+        c.sender.send(worker_ids=[0])
+    scramble(weights, 20, 0.01)
+    c.sender.send()
+    report = c.sender.last_report
+    assert report.delta_workers == [0] and report.worker_nbytes[1] == report.full_nbytes
+    assert all(same(r.model, weights) for r in c.receivers)
+
+
+def test_keys_send_is_previous_version_plus_those_keys(cluster) -> None:
+    for delta in (False, True):
+        weights = model_of(4)
+        c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
+                    delta=delta)
+        before = {k: v.clone() for k, v in weights.items()}
+        scramble(weights, 30, 1.0)
+        c.sender.send(keys=["matrix", "t0"])
+        expected = {k: (weights[k] if k in ("matrix", "t0") else before[k]) for k in weights}
+        assert same(c.receivers[0].model, expected)
+        with pytest.raises(ValueError, match="unknown"):
+            c.sender.send(keys=["nope"])
+        c.stop()
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_wire_dtype_is_cast_then_back(cluster, wire) -> None:
+    weights = model_of(5)
+    c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
+                wire_dtype=wire)
+    scramble(weights, 40, 1.0)
+    c.sender.send()
+    assert same(c.receivers[0].model, cast(weights, wire))
+    assert c.sender.last_report.nbytes == wire_layout(Layout.of(weights), str(wire).split(".")[1]).nbytes
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="wire_dtype"):
+        WeightSyncScheme("inproc", wire_dtype=torch.int8)
+    with pytest.raises(ValueError, match="delta_bases"):
+        WeightSyncScheme("inproc", delta=True, delta_bases=0)
+    with pytest.raises(ValueError, match="delta_dense"):
+        WeightSyncScheme("inproc", delta=True, delta_dense=2.0)
+
+
+def test_damaged_tables_are_refused_before_any_write() -> None:
+    weights = model_of(6)
+    layout = Layout.of(weights)
+    mirror = Mirror(layout, None, 2, torch.device("cpu"))
+    mirror.reset(weights, 0)
+    weights["matrix"].view(-1)[[1, 5]] += 1
+    mirror.update(weights, 1, None)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    enc = mirror.encode(mirror.since(0), buffer)
+    (i, count, offset), = enc.table
+    for table in ([[i, count, offset + 1]], [[i, 0, offset]], [[i, count, enc.nbytes]], [[len(layout), -1, 0]],
+                  [[i, count, offset], [i, count, offset]], "x"):
+        with pytest.raises(TransportError):
+            decode_table(table, layout, mirror.wire, enc.nbytes, "test")
+    ops = decode_table(enc.table, layout, mirror.wire, enc.nbytes, "test")
+    buffer[offset:offset + 4].view(torch.int32)[0] = 10**6
+    with pytest.raises(TransportError, match="out of range"):
+        check_indices(ops, buffer, "test")
+    buffer[offset:offset + 8].view(torch.int32)[:] = torch.tensor([5, 1], dtype=torch.int32)
+    with pytest.raises(TransportError, match="ascending"):
+        check_indices(ops, buffer, "test")
+
+
+def test_receiver_missing_the_base_asks_for_full(cluster) -> None:
+    """A delta for a base the worker does not hold is not applied; the sender answers the
+    BaseMismatch ack with the newest version in full."""
+    weights = model_of(7)
+    c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
+    sender = c.sender._role
+    sender._holds[0] = 0
+    scramble(weights, 50, 0.01)
+    c.sender.send()
+    r = c.receivers[0]
+    r.scheme._role.version = -5  # pretend: a restarted worker the sender has not heard from yet
+    with c.sender._lock:
+        sender._holds[0] = 1
+    scramble(weights, 51, 0.01)
+    c.sender.send()
+    assert same(r.model, weights) and r.scheme.version == 2
+    assert not r.errors
+
+
+def test_flatten_of_sender_is_untouched() -> None:
+    """The mirror never aliases the trainer's tensors."""
+    weights = model_of(8)
+    mirror = Mirror(Layout.of(weights), None, 2, torch.device("cpu"))
+    mirror.reset(weights, 0)
+    before = {k: v.clone() for k, v in weights.items()}
+    mirror.buffer.fill_(7)
+    assert same(flatten(weights), before)
