@@ -9,6 +9,7 @@ from .base import SuiteBase
 from .clean import CleanChecks
 from .endpoint import EndpointChecks
 from .exact import ExactChecks
+from .faults import FaultChecks
 from .isolated import IsolatedChecks
 from .lifecycle import LifecycleChecks
 from .live import LiveChecks
@@ -19,4 +20,5 @@ from .targeted import TargetedChecks
 from .versioned import VersionedChecks
 
 __all__ = ["SuiteBase", "ExactChecks", "IsolatedChecks", "AtomicChecks", "VersionedChecks", "LifecycleChecks",
-           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks"]
+           "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks",
+           "FaultChecks"]
