@@ -403,12 +403,12 @@ class FaultChecks:
 
     @guarantee("live")
     @capability("multi_host")
-    @capability("late_join")
-    @budget(timeouts=3, short_timeouts=12)
-    def test_faults_replacement_worker_gets_newest(self, wsync: Context) -> None:
-        """A worker SIGKILLed on its host and a replacement started there under its index: the
-        replacement connects holding the newest version, and the next send updates everyone."""
-        wsync.require("late_join")
+    @budget(timeouts=3, short_timeouts=16)
+    def test_faults_replacement_worker(self, wsync: Context) -> None:
+        """A worker SIGKILLed on its host and a replacement started there under its index. With
+        late_join the replacement connects holding the newest version and the next send updates
+        everyone; without it (a static membership) the replacement's connect() raises
+        WorkerTimeoutError or TransportError within its timeout and the survivor keeps being updated."""
         wait = wsync.short_timeout * 4
         with _cluster(self, wsync, _spec_of(1024)) as c:
             c.next_version()
@@ -417,6 +417,18 @@ class FaultChecks:
             c.next_version()
             c.send_naming(1, wait, [0], "a send after worker 1 was killed")
             w = c.replace(1)
+            if not wsync.caps.late_join:
+                t0 = time.monotonic()
+                reply = w.call("connect", timeout=wait)
+                took = time.monotonic() - t0
+                if reply.error not in ("WorkerTimeoutError", "TransportError"):
+                    raise violated("live", f"without late_join, a replacement worker's connect() gave "
+                                           f"{reply.error or 'success'}, expected WorkerTimeoutError or TransportError")
+                if took > wait + SLACK_S:
+                    raise violated("live", f"a replacement worker's connect(timeout={wait:g}) took {took:.1f} s")
+                c.next_version()
+                c.send_naming(1, wait, [0], "a send after a replacement for worker 1 was refused")
+                return
             w.call("connect", timeout=wsync.timeout).raise_for_error("the replacement worker 1's connect()")
             held = c.wait_version(1, c.version, wsync.timeout)
             if held != c.version:
