@@ -321,6 +321,10 @@ class RpcSender(SenderEndpoint):
         self.ready = False
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.seq = itertools.count(1)  # numbers deliveries: a receiver keeps the newest whatever order RPC runs them in
+        #: workers with a delivery in flight, and the newest one waiting for each (newest wins): a
+        #: slow or frozen worker costs at most the payload in flight to it and one pending
+        self.inflight: set[int] = set()
+        self.queued: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.stop = threading.Event()
         self.starter: threading.Thread | None = None
 
@@ -363,18 +367,37 @@ class RpcSender(SenderEndpoint):
             self._send(w, head, buffer)
 
     def _send(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Send at once if nothing is in flight to ``worker``, else keep it as the one to send next."""
+        with self.lock:
+            if worker in self.inflight:
+                self.queued[worker] = (head, buffer)  # newest wins: an older one waiting is dropped
+                return
+            self.inflight.add(worker)
+        self._rpc(worker, head, buffer)
+
+    def _rpc(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
             fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, buffer), timeout=self.timeout)
         except RuntimeError as exc:
+            with self.lock:
+                self.inflight.discard(worker)
+                self.queued.pop(worker, None)
             self._left(worker, f"cannot send to {worker_name(worker)}: {_brief(exc)}")
             return
         fut.add_done_callback(lambda f: self._sent(worker, f))
 
     def _sent(self, worker: int, fut: torch.futures.Future) -> None:
+        """A delivery ended (arrived, or failed: Left); the newest one waiting for ``worker`` goes next."""
         try:
             fut.wait()
         except RuntimeError as exc:
             self._left(worker, f"delivery to {worker_name(worker)} failed: {_brief(exc)}")
+        with self.lock:
+            following = None if self.stop.is_set() else self.queued.pop(worker, None)
+            if following is None:
+                self.inflight.discard(worker)
+                return
+        self._rpc(worker, *following)
 
     def _left(self, worker: int, reason: str) -> None:
         with _cond:
@@ -399,6 +422,8 @@ class RpcSender(SenderEndpoint):
             self.starter = None
         agent, self.agent = self.agent, None
         self.pending.clear()
+        with self.lock:
+            self.queued.clear()
         if agent is not None:
             agent.close()
 
