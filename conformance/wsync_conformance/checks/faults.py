@@ -7,7 +7,8 @@ their update, and the scheme stays usable.
   sizes meanwhile (one version being written to it and one pending, plus allocator slack).
 - For transports that declare ``multi_host``, with real processes in separate network namespaces
   (``wsync_conformance.netns``; skipped with the reason where they cannot be made), the sender in
-  a fresh process on this host, each receiver launched on a host of its own:
+  a fresh process on this host, a surviving worker on this host too and the worker at fault
+  launched on a host of its own:
   a worker SIGKILLed before, during or after a send, then a replacement under its index; a
   worker's link cut mid-send, then restored; the sender SIGKILLed mid-send.
   The default run keeps one small case per fault; ``--thorough`` adds the matrix (every moment of
@@ -83,31 +84,32 @@ def _spec_of(kib: int) -> ModelSpec:
 
 
 class Cluster:
-    """A sender in a fresh spawned runner on this host and ``n`` receivers, each launched
-    (``python -m wsync_conformance.harness``) in a network namespace of its own; ``expected[v]``
-    holds the sender's digests of version ``v``."""
+    """A sender in a fresh spawned runner on this host, worker 0 in a (pooled) runner on this host
+    too, and worker 1 launched (``python -m wsync_conformance.harness``) on another host, a network
+    namespace of its own (``remote``) whose link can be cut; ``expected[v]`` holds the sender's
+    digests of version ``v``."""
 
-    def __init__(self, wsync: Context, hook, spec: ModelSpec, n: int, stack: contextlib.ExitStack) -> None:
-        self.ctx, self.spec, self.n = wsync, spec, n
+    def __init__(self, wsync: Context, hook, spec: ModelSpec, stack: contextlib.ExitStack) -> None:
+        self.ctx, self.spec = wsync, spec
         t0 = time.monotonic()
-        self.here, *self.hosts = stack.enter_context(netns.hosts(n + 1, local=True))
+        self.here, self.remote = stack.enter_context(netns.hosts(2, local=True))
         target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(self.here.address))})
         local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
-        local.init_on_sender(model=build(spec), num_workers=n)  # resolves the options receivers need
+        local.init_on_sender(model=build(spec), num_workers=2)  # resolves the options receivers need
         self.blob = pickle.loads(pickle.dumps(local))
         local.shutdown()
         self.started: list[harness.Worker] = []
         stack.callback(self._close)  # before the namespaces go (callbacks run last-in first-out)
         with watchdog.paused():
-            self.sender = harness.Worker(kind="spawn", wait=False)
+            self.sender = harness.Worker(kind="spawn", wait=False)  # fresh: some transports fix a process's address
             self.started.append(self.sender)
-            self.workers = [self._launch(h) for h in self.hosts]
-            t1 = time.monotonic()
+            far = self._launch(self.remote)
+            self.workers = [*wsync.workers(1), far]
             for w in self.started:
                 w.wait_started()
-        t2 = time.monotonic()
+        t1 = time.monotonic()
         self.sender.open(self.blob, spec, wsync.device, 0, init=False)
-        self.sender.call("init_on_sender", num_workers=n).raise_for_error("init_on_sender() in the sender runner")
+        self.sender.call("init_on_sender", num_workers=2).raise_for_error("init_on_sender() in the sender runner")
         for i, w in enumerate(self.workers):
             w.open(self.blob, spec, wsync.device, i)
         self.expected: dict[int, dict[str, str]] = {0: self.fill(0)}
@@ -116,10 +118,10 @@ class Cluster:
         connected = self.sender.call("connect", timeout=wsync.timeout)
         for i, w in enumerate(self.workers):
             w.recv(wsync.timeout + SLACK_S + 60, "answer to connect").raise_for_error(f"worker {i}'s connect()")
-        connected.raise_for_error("the sender's connect() to receivers on other hosts")
+        connected.raise_for_error("the sender's connect() to a receiver on another host")
         self.version = 0
         if os.environ.get("WSYNC_FAULTS_DEBUG"):
-            print(f"cluster: hosts {t1 - t0:.1f} s, runners {t2 - t1:.1f} s, connect {time.monotonic() - t2:.1f} s")
+            print(f"cluster: set up in {t1 - t0:.1f} s, connected in {time.monotonic() - t1:.1f} s")
 
     def _launch(self, host: netns.Host) -> harness.Worker:
         w = harness.Worker(kind="launched", prefix=host.prefix, wait=False)
@@ -177,13 +179,13 @@ class Cluster:
         if snap["digests"] != self.expected[version]:
             raise violated("exact", f"{what}: worker {i} at version {version} holds other content than was sent")
 
-    def replace(self, i: int) -> harness.Worker:
-        """A fresh receiver runner under index ``i``, on worker ``i``'s host, opened (not connected)."""
+    def replace_remote(self) -> harness.Worker:
+        """A fresh receiver runner under index 1 on the remote host, opened (not connected)."""
         with watchdog.paused():
-            w = self._launch(self.hosts[i])
+            w = self._launch(self.remote)
             w.wait_started()
-        w.open(self.blob, self.spec, self.ctx.device, i)
-        self.workers[i] = w
+        w.open(self.blob, self.spec, self.ctx.device, 1)
+        self.workers[1] = w
         return w
 
     def wait_version(self, i: int, version: int, timeout: float) -> int | None:
@@ -199,10 +201,10 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def _cluster(suite: Any, wsync: Context, spec: ModelSpec, n: int = 2) -> Iterator[Cluster]:
+def _cluster(suite: Any, wsync: Context, spec: ModelSpec) -> Iterator[Cluster]:
     hook = _require_hosts(suite, wsync)
     with contextlib.ExitStack() as stack:
-        yield Cluster(wsync, hook, spec, n, stack)
+        yield Cluster(wsync, hook, spec, stack)
 
 
 class FaultChecks:
@@ -335,7 +337,7 @@ class FaultChecks:
             c.next_version()
             c.workers[0].follow()
             c.sender.call_async("send", timeout=wait)
-            c.hosts[1].cut()
+            c.remote.cut()
             try:
                 reply = c.sender.recv(wait + SLACK_S + 60, "answer to send()")
             finally:
@@ -347,7 +349,7 @@ class FaultChecks:
             c.check(0, c.version, "a send while worker 1's link was cut")
             c.next_version()
             c.send_naming(1, wait, [0], "a second send while worker 1's link is cut")
-            c.hosts[1].restore()
+            c.remote.restore()
             newest = c.version
             if wsync.caps.late_join:
                 held = c.wait_version(1, newest, wsync.timeout)
@@ -421,7 +423,7 @@ def _replace_worker(c: Cluster, wsync: Context, wait: float) -> None:
     """A replacement for the killed worker 1, on its host under its index: with late_join it
     connects holding the newest version and the next send updates everyone; without, its connect()
     raises WorkerTimeoutError or TransportError in time and the survivor keeps being updated."""
-    w = c.replace(1)
+    w = c.replace_remote()
     if not wsync.caps.late_join:
         t0 = time.monotonic()
         reply = w.call("connect", timeout=wait)
