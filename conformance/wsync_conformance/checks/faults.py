@@ -7,7 +7,7 @@ their update, and the scheme stays usable.
   sizes meanwhile (one version being written to it and one pending, plus allocator slack).
 - For transports that declare ``multi_host``, with real processes in separate network namespaces
   (``wsync_conformance.netns``; skipped with the reason where they cannot be made), the sender in
-  a fresh process on this host, a surviving worker on this host too and the worker at fault
+  a fresh process on this host, the worker that keeps working and the worker at fault each
   launched on a host of its own:
   a worker SIGKILLed before, during or after a send, then a replacement under its index; a
   worker's link cut mid-send, then restored; the sender SIGKILLed mid-send.
@@ -84,15 +84,16 @@ def _spec_of(kib: int) -> ModelSpec:
 
 
 class Cluster:
-    """A sender in a fresh spawned runner on this host, worker 0 in a (pooled) runner on this host
-    too, and worker 1 launched (``python -m wsync_conformance.harness``) on another host, a network
-    namespace of its own (``remote``) whose link can be cut; ``expected[v]`` holds the sender's
-    digests of version ``v``."""
+    """A sender in a fresh spawned runner on this host and two workers, each launched (``python -m
+    wsync_conformance.harness``) on a host of its own (a network namespace): worker 0 the one that
+    keeps working, worker 1 the one at fault, on ``remote`` (whose link can be cut). Every runner is
+    fresh: some transports fix a process's address at its first endpoint. ``expected[v]`` holds the
+    sender's digests of version ``v``."""
 
     def __init__(self, wsync: Context, hook, spec: ModelSpec, stack: contextlib.ExitStack) -> None:
         self.ctx, self.spec = wsync, spec
         t0 = time.monotonic()
-        self.here, self.remote = stack.enter_context(netns.hosts(2, local=True))
+        self.here, self.near, self.remote = stack.enter_context(netns.hosts(3, local=True))
         target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(self.here.address))})
         local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
         local.init_on_sender(model=build(spec), num_workers=2)  # resolves the options receivers need
@@ -103,8 +104,7 @@ class Cluster:
         with watchdog.paused():
             self.sender = harness.Worker(kind="spawn", wait=False)  # fresh: some transports fix a process's address
             self.started.append(self.sender)
-            far = self._launch(self.remote)
-            self.workers = [*wsync.workers(1), far]
+            self.workers = [self._launch(self.near), self._launch(self.remote)]
             for w in self.started:
                 w.wait_started()
         t1 = time.monotonic()

@@ -35,3 +35,10 @@ class TestZmqConformance(TransportSuite):
     @pytest.mark.xfail(strict=False, reason="known: a silent zmq worker may first apply a stale queued version")
     def test_live_silent_worker_stays_connected_under_large_payloads(self, wsync) -> None:
         super().test_live_silent_worker_stays_connected_under_large_payloads(wsync)
+
+    # issue 16's slow-worker check: the same finding as above, with the worker's process frozen (SIGSTOP)
+    # while six versions go out; not strict: seen in one run of two (applied 4 of 3..8)
+    @pytest.mark.xfail(strict=False, reason="known (issue 16): a frozen zmq worker's first receive() may apply a "
+                                            "stale queued version, not the newest")
+    def test_faults_slow_worker_gets_newest(self, wsync) -> None:
+        super().test_faults_slow_worker_gets_newest(wsync)
