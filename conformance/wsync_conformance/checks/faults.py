@@ -287,15 +287,15 @@ class FaultChecks:
         self._worker_killed(wsync, moment, kib)
 
     def _worker_killed(self, wsync: Context, moment: str, kib: int, replace: bool = False) -> None:
-        wait = wsync.short_timeout * 2
+        wait = wsync.short_timeout * 2 + kib / (16 << 10)  # and a second per 16 MiB for the survivor to apply
         with _cluster(self, wsync, _spec_of(kib)) as c:
             what = f"worker 1 killed {moment} a send of {kib} KiB"
             c.next_version()
             if moment == "after":
                 c.send(wsync.timeout, [0, 1]).raise_for_error("send() to both workers")
                 c.check(1, c.version, "before the kill")
-                c.next_version()
-            if moment == "before":
+                c.workers[1].kill()
+            elif moment == "before":
                 c.workers[1].kill()
                 c.send_naming(1, wait, [0], what)
             elif moment == "during":
@@ -310,8 +310,6 @@ class FaultChecks:
                     raise violated("live", f"{what}: send() raised {reply.error} naming {reply.get('workers')}, "
                                            f"expected WorkerTimeoutError naming [1] (or success, had it finished)")
                 c.check(0, c.version, what)
-            else:
-                c.workers[1].kill()
             c.next_version()  # the scheme stays usable: a later send names it, and only it
             c.send_naming(1, wait, [0], f"{what}, a later send")
             if wsync.caps.subset_send:
