@@ -221,7 +221,8 @@ class Layout:
         """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
         _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
 
-    def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor],
+              retired: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Make each target a view of the flat ``buffer`` instead of copying into it, where it can.
 
         A target keeps its Python object (a Parameter stays the module's Parameter); its storage
@@ -230,7 +231,8 @@ class Layout:
         a tensor the worker kept: they must keep seeing the model's values) or when it cannot be
         re-pointed (another device, shared or pinned memory, a subclass, a non-leaf). All or
         nothing: if a copy fails, every re-pointed target gets its old memory back. Returns the
-        adopted targets.
+        adopted targets; the memory they had is appended to ``retired`` if given, so that the
+        caller chooses when it is freed (freeing a mapping costs time).
         """
         tensors = [targets[e.key] for e in self._filled]
         alone = exclusive(tensors)
@@ -258,6 +260,8 @@ class Layout:
                 for t, old in reversed(undo):
                     t.data = old
                 raise
+        if retired is not None:
+            retired.extend(old for _, old in undo)
         return adopted
 
     def check_writable(self, targets: Mapping[str, torch.Tensor], *, context: str) -> None:

@@ -10,9 +10,9 @@ child made by ``fork``. So the core does not decide when to give it back; the me
   it is freed, asks for the transport's ``release``;
 - a fork while the storage is alive pins it too, until that child and every process it forked
   in turn have exited (a pipe the children inherit tells: its read end sees EOF then);
-- the release itself runs at the receiving scheme's next call (``LeaseBook.drain``), never inside
-  the garbage collector, where a transport's locks may be held; after the scheme shut down, at
-  once.
+- the release itself runs in the receiving scheme's thread (``LeaseBook.drain``: after each
+  receive's ack, and at the start of the next), never inside the garbage collector, where a
+  transport's locks may be held; after the scheme shut down, at once.
 
 Memory is then bounded by what the user holds, as with any tensor.
 """

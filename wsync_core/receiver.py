@@ -128,9 +128,10 @@ class Receiver:
                 endpoint.ack(Ack(self.worker_idx, self.version).encode())
             return None
         delivery, header = best
+        retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
         with self.guard():  # the worker's safe point: its model is not in use in here
             try:
-                self._apply(delivery, header)
+                adopted = self._apply(delivery, header, retired)
             except (SchemaMismatchError, TransportError) as exc:
                 _release(delivery)
                 self._reject(header.version, exc)
@@ -138,13 +139,18 @@ class Receiver:
             finally:
                 _release(delivery)  # a no-op for memory the model now views: its lease gives it back
         self.version = header.version
+        warm = delivery.warm if adopted else None
         del delivery, best
-        self._leases.drain()  # before the ack: the sender may reuse what the model stopped viewing
         try:
             for listener in self.apply_listeners:  # before the ack: a sync send() returns after them
                 listener(header.version)
         finally:
             endpoint.ack(Ack(self.worker_idx, header.version).encode())
+        # off the sender's path: unmap what the model stopped viewing, give back what fell due, warm the new
+        retired.clear()
+        self._leases.drain()
+        if warm is not None:
+            warm()
         return header.version
 
     def wait_for_version(self, version: int, deadline: Deadline, expect: Callable[[], None]) -> int:
@@ -184,10 +190,11 @@ class Receiver:
         log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
         self.endpoint.ack(Ack(self.worker_idx, version, str(exc), type(exc).__name__).encode())
 
-    def _apply(self, delivery: Delivery, header: Header) -> None:
+    def _apply(self, delivery: Delivery, header: Header, retired: list[torch.Tensor]) -> bool:
         """Check everything about a delivery, then copy it into the model, or make the model's
         tensors views of it where the delivery is adoptable (the model's memory then is leased:
-        ``delivery.release`` runs once nothing views it). Nothing is written on error."""
+        ``delivery.release`` runs once nothing views it; the memory they had goes to ``retired``).
+        Nothing is written on error. True if some tensor now views the payload."""
         layout = self.layout
         where = f"worker {self.worker_idx}, version {header.version}"
         if header.model_id != self.model_id:
@@ -219,12 +226,15 @@ class Receiver:
         if delivery.adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
-            self._adopted.add(layout.adopt(payload, targets))
+            adopted = layout.adopt(payload, targets, retired)
+            self._adopted.add(adopted)
         else:
+            adopted = []
             layout.unpack(payload, targets)
         restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
+        return bool(adopted)
 
 
 class _Adopted:

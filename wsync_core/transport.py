@@ -123,13 +123,16 @@ class Delivery:
     is this receiver's own to keep (writing it reaches no one else): the core may then make the
     model's tensors views of it instead of copying, and calls ``release()`` only once the last
     tensor viewing it is freed and every child forked meanwhile has exited (``wsync_core.lease``):
-    possibly from another thread, and after ``close()``.
+    possibly from another thread, and after ``close()``. ``warm``, if set, runs after the core
+    acked a payload the model now views: work a transport can leave off the sender's path, such
+    as faulting in a fresh mapping so that the worker's first read does not.
     """
 
     header: bytes
     payload: torch.Tensor
     release: Callable[[], None] | None = None
     adoptable: bool = False
+    warm: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import platform
+import selectors
 import signal
 import socket
 import statistics
@@ -115,7 +116,7 @@ class Row:
     @property
     def gib_per_s(self) -> float | None:
         m = self.median_s
-        return self.nbytes / m / 2**30 if m else None
+        return self.nbytes / m / 2**30 if m and self.system != "unix" else None  # the unix floor moves 16 bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -578,6 +579,60 @@ def tcp_floor(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
+#: the unix floor is measured at model sizes up to this one, where a control round trip matters
+UNIX_FLOOR_MAX_BYTES = 1 << 20
+
+
+def unix_floor(workers: int, repeat: int) -> list[float]:
+    """Seconds for a 16-byte message to each of ``workers`` processes over Unix sockets and a
+    one-byte answer from each: the control round trip a transport between processes on one host
+    cannot avoid (the payload's copy is the memcpy floor). The processes wait blocked in
+    ``recv``, as workers do."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(workers)]
+    children = []
+    for i, (mine, theirs) in enumerate(pairs):
+        pid = os.fork()
+        if pid == 0:  # the child: answer each message until the socket closes; touches no torch
+            code = 0
+            try:
+                for a, b in pairs:
+                    a.close()
+                    if b is not theirs:
+                        b.close()
+                while theirs.recv(64):
+                    theirs.send(b"k")
+            except OSError:
+                code = 1
+            finally:
+                os._exit(code)
+        children.append(pid)
+        theirs.close()
+    out = []
+    try:
+        with selectors.DefaultSelector() as sel:
+            for mine, _ in pairs:
+                sel.register(mine, selectors.EVENT_READ)
+            message = b"0123456789abcdef"
+            for k in range(1 + max(repeat, 5)):
+                t0 = time.perf_counter()
+                for mine, _ in pairs:
+                    mine.send(message)
+                waiting = workers
+                while waiting:
+                    for key, _ in sel.select(60):
+                        if key.fileobj.recv(64) != b"k":
+                            raise OSError("raw Unix floor: a worker process closed early")
+                        waiting -= 1
+                if k:
+                    out.append(time.perf_counter() - t0)
+    finally:
+        for mine, _ in pairs:
+            mine.close()
+        for pid in children:
+            os.waitpid(pid, 0)
+    return out
+
+
 # -- the run -----------------------------------------------------------------------------------
 class _Progress:
     """tqdm when it is installed, else one updating line on stderr."""
@@ -664,8 +719,10 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
     try:
         for nbytes in config.sizes:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
-            floor_rows = [Row(name, "floor", nbytes, None, threads=SENDER_THREADS if name == "memcpy" else None)
-                          for name in floors]
+            here = floors + (["unix"] if nbytes <= UNIX_FLOOR_MAX_BYTES else [])
+            floor_rows = [Row(name, "floor", nbytes, config.workers if name == "unix" else None,
+                              threads=SENDER_THREADS if name == "memcpy" else None)
+                          for name in here]
             rows += floor_rows
             for row in floor_rows:  # half the floor's samples before the systems ...
                 bar.step(f"{row.system} {format_size(nbytes)}")
@@ -693,7 +750,7 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         bar.close()
     floor = {r.nbytes: r.median_s for r in rows if r.system == "memcpy"}
     for r in rows:
-        if r.median_s and floor.get(r.nbytes):
+        if r.median_s and floor.get(r.nbytes) and r.system != "unix":
             r.x_memcpy = r.median_s / floor[r.nbytes]
     return Report(config, machine_info(), rows)
 
@@ -702,7 +759,12 @@ def _measure_floor(row: Row, repeat: int) -> None:
     if row.error is not None:
         return
     try:
-        row.latencies_s += (memcpy_floor if row.system == "memcpy" else tcp_floor)(row.nbytes, repeat)
+        if row.system == "memcpy":
+            row.latencies_s += memcpy_floor(row.nbytes, repeat)
+        elif row.system == "unix":
+            row.latencies_s += unix_floor(row.workers, repeat)
+        else:
+            row.latencies_s += tcp_floor(row.nbytes, repeat)
     except OSError as exc:
         row.error = f"{type(exc).__name__}: {exc}"
 
@@ -816,7 +878,8 @@ def plot(report: Report, path: str) -> None:
         xs = [n / 2**20 for n, _ in pts]
         ys = [r.median_s * 1e3 for _, r in pts]
         floor = pts[0][1].kind == "floor"
-        label = {"memcpy": "memcpy floor (1 thread)", "tcp": "raw TCP loopback floor"}.get(name, name)
+        label = {"memcpy": "memcpy floor", "unix": "raw Unix round trip to the workers",
+                 "tcp": "raw TCP loopback floor"}.get(name, name)
         line, = ax.plot(xs, ys, "--" if floor else "-o", label=label, color="black" if name == "memcpy" else None,
                         linewidth=1.2 if floor else 1.8, markersize=4)
         if not floor:

@@ -22,7 +22,8 @@ from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
 sys.path.insert(0, str(Path(__file__).parent))
 
 import mp_fault_workers as fw  # noqa: E402
-from wsync_mp.wire import NONCE_BYTES, PREFIX, FrameReader, Kind, encode, mac  # noqa: E402
+from wsync_core.framing import PREFIX  # noqa: E402
+from wsync_mp.wire import FRAMING, NONCE_BYTES, Kind, mac  # noqa: E402
 
 TIMEOUT = 60.0
 
@@ -256,7 +257,7 @@ def test_sender_drops_hostile_clients(garbage, pool, sender_scheme):
     hostile = _raw_connect(scheme.transport.options["address"])
     try:
         assert PREFIX.unpack(hostile.recv(PREFIX.size))[1] == Kind.CHALLENGE
-        hostile.sendall(garbage + encode(Kind.HELLO, arg=0))
+        hostile.sendall(garbage + FRAMING.encode(Kind.HELLO, arg=0))
         hostile.settimeout(TIMEOUT)
         while hostile.recv(1 << 16):  # the sender closes the connection
             pass
@@ -284,13 +285,13 @@ class FakeSender:
         self.conn, _ = self.listener.accept()
         self.conn.settimeout(TIMEOUT)
         nonce = os.urandom(NONCE_BYTES)
-        self.conn.sendall(encode(Kind.CHALLENGE, nonce))
+        self.conn.sendall(FRAMING.encode(Kind.CHALLENGE, nonce))
         data = b""
         while len(data) < 2 * PREFIX.size + 2 * NONCE_BYTES:
             data += self.conn.recv(4096)
-        response = next(FrameReader(frozenset({Kind.RESPONSE}), "test").feed(data[:PREFIX.size + 2 * NONCE_BYTES]))
+        response = next(FRAMING.reader("test", frozenset({Kind.RESPONSE})).feed(data[:PREFIX.size + 2 * NONCE_BYTES]))
         assert response.body[:NONCE_BYTES] == mac(self.authkey, b"receiver", nonce)
-        self.conn.sendall(encode(Kind.PROOF, mac(self.authkey, b"sender", response.body[NONCE_BYTES:])))
+        self.conn.sendall(FRAMING.encode(Kind.PROOF, mac(self.authkey, b"sender", response.body[NONCE_BYTES:])))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -302,7 +303,7 @@ def _bad_fd_frame(conn: socket.socket) -> None:
     fd = os.memfd_create("unsealed")  # no seals: it could shrink under the reader
     try:
         os.ftruncate(fd, 4096)
-        conn.sendmsg([encode(Kind.NOTIFY, b"{}", arg=0, flags=1)],
+        conn.sendmsg([FRAMING.encode(Kind.NOTIFY, b"{}", arg=0, flags=1)],
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     finally:
         os.close(fd)
@@ -328,13 +329,13 @@ def test_receiver_refuses_hostile_sender(attack):
         elif attack == "oversized-header":
             conn.sendall(PREFIX.pack(b"WSMP", Kind.NOTIFY, 0, 0, 2**32 - 1, 0))
         elif attack == "unknown-slot":
-            conn.sendall(encode(Kind.NOTIFY, b"{}", arg=3))
+            conn.sendall(FRAMING.encode(Kind.NOTIFY, b"{}", arg=3))
         elif attack == "unsealed-memfd":
             _bad_fd_frame(conn)
         elif attack == "fd-missing":
-            conn.sendall(encode(Kind.NOTIFY, b"{}", arg=0, flags=1))
+            conn.sendall(FRAMING.encode(Kind.NOTIFY, b"{}", arg=0, flags=1))
         elif attack == "truncated":
-            conn.sendall(encode(Kind.NOTIFY, b"{}", arg=0)[:10])
+            conn.sendall(FRAMING.encode(Kind.NOTIFY, b"{}", arg=0)[:10])
             conn.close()
             fake.conn = None
         thread.join(TIMEOUT)
@@ -358,7 +359,7 @@ def _catch(fn, errors: list) -> None:
 @given(st.lists(st.binary(max_size=64), max_size=8))
 def test_frame_reader_never_overallocates(chunks):
     """Arbitrary bytes either parse into bounded frames or raise TransportError; nothing else."""
-    reader = FrameReader(frozenset(Kind), "fuzz")
+    reader = FRAMING.reader("fuzz", frozenset(Kind))
     try:
         for chunk in chunks:
             for frame in reader.feed(chunk):

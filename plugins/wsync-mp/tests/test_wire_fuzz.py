@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 
 from wsync_conformance.strategies import hostile_json
 from wsync_core import TransportError
-from wsync_mp.wire import Kind, FrameReader, encode
+from wsync_core.framing import PREFIX
+from wsync_mp.wire import FRAMING, Kind
 
 ACCEPT = frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.PROOF})
-frames = st.builds(lambda kind, body, arg, value, flags: encode(kind, body, arg=arg, value=value, flags=flags),
+frames = st.builds(lambda kind, body, arg, value, flags: PREFIX.pack(FRAMING.magic, kind, flags, arg, len(body), value) + body,
                    st.sampled_from(list(Kind)), st.one_of(st.binary(max_size=64), hostile_json()),
                    st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 255))
 pieces = st.lists(st.one_of(st.binary(max_size=64), frames), max_size=8)
@@ -20,7 +21,7 @@ pieces = st.lists(st.one_of(st.binary(max_size=64), frames), max_size=8)
 @settings(max_examples=400, deadline=None)
 @given(pieces)
 def test_frame_reader_gives_accepted_frames_or_transport_error(chunks):
-    reader = FrameReader(ACCEPT, "a fuzzing peer")
+    reader = FRAMING.reader("a fuzzing peer", ACCEPT)
     try:
         for chunk in chunks:
             for f in reader.feed(chunk):

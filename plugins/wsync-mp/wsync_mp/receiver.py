@@ -21,10 +21,12 @@ from collections import deque
 
 import torch
 from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core.memory import map_private, populate
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
-from .wire import (FLAG_FD, MAX_FDS, MAX_SLOTS, NONCE_BYTES, PREFIX, Frame, FrameReader, Kind, encode, mac,
-                   make_socket, map_private, map_slot, sockaddr)
+from wsync_core.framing import PREFIX, Frame
+
+from .wire import FLAG_FD, FRAMING, MAX_FDS, MAX_SLOTS, NONCE_BYTES, Kind, mac, make_socket, map_slot, sockaddr
 
 __all__ = ["MpReceiver"]
 
@@ -96,11 +98,12 @@ class MpReceiver(ReceiverEndpoint):
         if mapped is None:
             return Delivery(header, _EMPTY, release)
         if index in self.slot_fds:
-            return Delivery(header, map_private(self.slot_fds[index], self.nbytes), release, adoptable=True)
+            payload = map_private(self.slot_fds[index], 0, self.nbytes)
+            return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
         return Delivery(header, mapped[1], release)
 
     def ack(self, data: bytes) -> None:
-        self._send(encode(Kind.ACK, data))
+        self._send(FRAMING.encode(Kind.ACK, data))
 
     def wake(self) -> None:
         with self.cond:
@@ -144,8 +147,8 @@ class MpReceiver(ReceiverEndpoint):
     def _handshake(self, deadline: Deadline) -> None:
         challenge = self._read_frame(Kind.CHALLENGE, deadline)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        self.sock.sendall(encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
-                          + encode(Kind.HELLO, arg=self.worker))
+        self.sock.sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
+                          + FRAMING.encode(Kind.HELLO, arg=self.worker))
         proof = self._read_frame(Kind.PROOF, deadline)
         if not secrets.compare_digest(proof.body, mac(self.authkey, b"sender", nonce)):
             raise TransportError(f"worker {self.worker}: {self.peer} failed authentication (wrong authkey?)")
@@ -161,14 +164,14 @@ class MpReceiver(ReceiverEndpoint):
                 raise TransportError(f"worker {self.worker}: {self.peer} closed the connection during the "
                                      f"handshake (wrong authkey, or worker index out of range?)")
             data += chunk
-        frames = list(FrameReader(frozenset({kind}), self.peer).feed(bytes(data)))
+        frames = list(FRAMING.reader(self.peer, frozenset({kind})).feed(bytes(data)))
         if len(frames) != 1 or len(frames[0].body) != NONCE_BYTES:
             raise TransportError(f"worker {self.worker}: {self.peer} sent a malformed {kind.name} frame")
         return frames[0]
 
     # -- the reader thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        reader = FrameReader(frozenset({Kind.NOTIFY, Kind.CLOSE}), self.peer)
+        reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE}))
         ended, failed = "", False
         try:
             while not ended:
@@ -225,7 +228,7 @@ class MpReceiver(ReceiverEndpoint):
 
     # -- helpers --------------------------------------------------------------------------------
     def _release(self, index: int) -> None:
-        self._send(encode(Kind.RELEASE, arg=index))
+        self._send(FRAMING.encode(Kind.RELEASE, arg=index))
 
     def _send(self, data: bytes) -> None:
         """Send a small frame, waiting at most _SEND_TIMEOUT for room; a dead sender is reported by recv."""

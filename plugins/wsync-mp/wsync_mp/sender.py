@@ -28,7 +28,9 @@ from wsync_core import Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
-from .wire import FLAG_FD, NONCE_BYTES, FrameReader, Kind, Slot, encode, mac, make_socket, sockaddr
+from wsync_core.memory import Slot
+
+from .wire import FLAG_FD, FRAMING, NONCE_BYTES, Kind, mac, make_socket, sockaddr
 
 __all__ = ["MpSender"]
 
@@ -51,7 +53,7 @@ class _Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = FrameReader(frozenset({Kind.RESPONSE}), "an unauthenticated peer")
+        self.reader = FRAMING.reader("an unauthenticated peer", frozenset({Kind.RESPONSE}))
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.worker: int | None = None
         self.out: deque[tuple[memoryview, list[int]]] = deque()
@@ -110,14 +112,11 @@ class MpSender(SenderEndpoint):
             while True:
                 busy = {s for c in self.conns.values() for s in (*c.held, *c.pinned)}
                 busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
-                for slot in self.slots:
-                    if slot.index != self.latest and slot.index not in busy:
+                for index, slot in enumerate(self.slots):
+                    if index != self.latest and index not in busy:
                         return slot.tensor
                 if len(self.slots) < self.max_slots:
-                    try:
-                        self.slots.append(Slot(len(self.slots), self.nbytes))
-                    except OSError as exc:
-                        raise TransportError(f"mp: cannot create a payload slot of {self.nbytes} bytes: {exc}") from None
+                    self.slots.append(Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes))
                     return self.slots[-1].tensor
                 if deadline.expired():
                     holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
@@ -127,8 +126,7 @@ class MpSender(SenderEndpoint):
                 self.cond.wait(deadline.slice(1.0))
 
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        index = next((s.index for s in self.slots if s.tensor is not None
-                      and s.tensor.data_ptr() == buffer.data_ptr()), None)
+        index = next((i for i, s in enumerate(self.slots) if s.tensor is buffer), None)
         if index is None:
             raise TransportError("mp: publish() got a buffer that acquire() did not return")
         if len(header) > MAX_HEADER_BYTES:
@@ -192,7 +190,7 @@ class MpSender(SenderEndpoint):
             if goodbye and not conn.out:  # never cut into a half-written frame
                 try:
                     conn.sock.setblocking(False)
-                    conn.sock.send(encode(Kind.CLOSE))
+                    conn.sock.send(FRAMING.encode(Kind.CLOSE))
                 except OSError:
                     pass
             conn.sock.close()
@@ -254,7 +252,7 @@ class MpSender(SenderEndpoint):
         sock.setblocking(False)
         conn = _Conn(sock)
         self._handshaking[sock.fileno()] = conn
-        conn.push(encode(Kind.CHALLENGE, conn.nonce))
+        conn.push(FRAMING.encode(Kind.CHALLENGE, conn.nonce))
         self.selector.register(sock, selectors.EVENT_READ, conn)
         with self.cond:
             self._flush(conn)
@@ -268,7 +266,7 @@ class MpSender(SenderEndpoint):
             if frame.kind is Kind.RESPONSE:
                 if not secrets.compare_digest(frame.body[:NONCE_BYTES], mac(self.authkey, b"receiver", conn.nonce)):
                     raise TransportError("a peer failed authentication (wrong authkey?)")
-                conn.push(encode(Kind.PROOF, mac(self.authkey, b"sender", frame.body[NONCE_BYTES:])))
+                conn.push(FRAMING.encode(Kind.PROOF, mac(self.authkey, b"sender", frame.body[NONCE_BYTES:])))
                 conn.reader.accept, conn.reader.peer = frozenset({Kind.HELLO}), "an authenticated peer"
             elif frame.kind is Kind.HELLO:
                 self._hello(conn, frame.arg)
@@ -302,7 +300,7 @@ class MpSender(SenderEndpoint):
     def _hello(self, conn: _Conn, worker: int) -> None:
         self._handshaking.pop(conn.sock.fileno(), None)
         if not 0 <= worker < self.num_workers:
-            conn.push(encode(Kind.CLOSE, f"worker index {worker} is out of range [0, {self.num_workers})".encode()))
+            conn.push(FRAMING.encode(Kind.CLOSE, f"worker index {worker} is out of range [0, {self.num_workers})".encode()))
             with self.cond:
                 self._flush(conn)
             raise TransportError(f"a peer said it is worker {worker}, but num_workers is {self.num_workers}")
@@ -312,7 +310,7 @@ class MpSender(SenderEndpoint):
             if old is not None:  # a restarted worker: the new connection wins, quietly
                 old.worker = None
                 if not old.out:
-                    old.push(encode(Kind.CLOSE, f"another connection joined as worker {worker}".encode()))
+                    old.push(FRAMING.encode(Kind.CLOSE, f"another connection joined as worker {worker}".encode()))
                     self._flush(old)
                 self._close_conn(old)
             conn.worker = worker
@@ -328,9 +326,9 @@ class MpSender(SenderEndpoint):
         conn.pending = None
         slot = self.slots[index]
         if index in conn.has_fd:
-            conn.push(encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes))
+            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes))
         else:
-            conn.push(encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
+            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
             conn.has_fd.add(index)
         conn.held.append(index)
         conn.unseen = index

@@ -15,7 +15,6 @@ import os
 import socket
 import struct
 import threading
-from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -27,19 +26,19 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api as rpc_api
 from wsync_core import (
     Acked,
+    Buffer,
     Deadline,
     Delivery,
     Joined,
     Left,
+    ReceiverBase,
     ReceiverContext,
-    ReceiverEndpoint,
+    SenderBase,
     SenderContext,
-    SenderEndpoint,
     TransportError,
 )
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event
 
 __all__ = ["RpcSender", "RpcReceiver", "SENDER", "worker_name"]
 
@@ -54,40 +53,35 @@ def worker_name(worker: int) -> str:
 
 
 # -- what arrives, per process (one RPC agent per process) ------------------------------------
-_cond = threading.Condition()
-_mailbox: list[tuple[bytes, torch.Tensor]] = []  # receiver: the newest delivery only
-#: receiver: the highest delivery number seen; RPC runs calls on a thread pool, so an older
-#: delivery can arrive after a newer one and must not replace it
-_newest: list[int] = [-1]
-_events: deque[Event] = deque()  # sender: joins, acks and leaves
+_cond = threading.Lock()
 _owner: list[object] = []  # the endpoint that holds this process's RPC agent
 
 
-def _deliver_impl(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
-    if header.numel() > MAX_HEADER_BYTES:
-        return 0
+def _owned(kind: type) -> Any:
+    """This process's endpoint if it is a ``kind``, else None."""
     with _cond:
-        if not _owner or not isinstance(_owner[0], RpcReceiver):
-            return 0
-        if seq <= _newest[0]:
-            return 1
-        _newest[0] = seq
-        _mailbox[:] = [(header.numpy().tobytes(), payload)]
-        _cond.notify_all()
+        owner = _owner[0] if _owner else None
+    return owner if isinstance(owner, kind) else None
+
+
+def _deliver_impl(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
+    receiver = _owned(RpcReceiver)
+    if receiver is None or header.numel() > MAX_HEADER_BYTES:
+        return 0
+    receiver.arrived(seq, header.numpy().tobytes(), payload)
     return 1
 
 
 def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
-    with _cond:
-        if not _owner or not isinstance(_owner[0], RpcSender) or not 0 <= worker < _owner[0].num_workers:
-            return 0
-        if kind == 0:
-            _events.append(Joined(worker))
-        elif kind == 1 and data.numel() <= MAX_ACK_BYTES:
-            _events.append(Acked(worker, data.numpy().tobytes()))
-        elif kind == 2:
-            _events.append(Left(worker, "receiver shut down"))
-        _cond.notify_all()
+    sender = _owned(RpcSender)
+    if sender is None or not 0 <= worker < sender.ctx.num_workers:
+        return 0
+    if kind == _JOIN:
+        sender.emit(Joined(worker))
+    elif kind == _ACK and data.numel() <= MAX_ACK_BYTES:
+        sender.emit(Acked(worker, data.numpy().tobytes()))
+    elif kind == _LEAVE:
+        sender.emit(Left(worker, "receiver shut down"))
     return 1
 
 
@@ -198,9 +192,6 @@ class _Agent:
                 raise TransportError("rpc: this process already runs an RPC agent (one per process: a process "
                                      "cannot be two wsync rpc endpoints, nor join another RPC group)")
             _owner.append(owner)
-            _mailbox.clear()
-            _newest[0] = -1
-            _events.clear()
         self.name, self.rank = name, rank
         self.host, self.port, self.world = options["host"], options["port"], options["world_size"]
         self.timeout = options["rpc_timeout"]
@@ -282,10 +273,6 @@ class _Agent:
         _hosting.clear()
         with _cond:
             _owner.clear()
-            _mailbox.clear()
-            _newest[0] = -1
-            _events.clear()
-            _cond.notify_all()
 
 
 #: the port of the store this process hosts as a sender (a forked child lets go of its sockets)
@@ -307,143 +294,129 @@ def _brief(exc: BaseException) -> str:
 
 
 # -- endpoints ---------------------------------------------------------------------------------
-class RpcSender(SenderEndpoint):
+class RpcSender(SenderBase):
     """Hosts the store at once; a short-lived thread starts the RPC agent when every worker has
-    reached the store. Deliveries published before that wait (newest per worker)."""
+    reached the store. One delivery is in flight per worker at a time; the newest published
+    meanwhile waits (an older one waiting is dropped), so a slow or silent worker holds at most
+    two buffers and never delays the others."""
 
     def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
+        super().__init__("rpc sender", ctx)
         self.options = options
-        self.nbytes = ctx.layout.nbytes
-        self.num_workers = ctx.num_workers
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
-        self.lock = threading.Lock()
-        self.ready = False
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ready = False  # the RPC agent runs
+        self.pending: dict[int, tuple[torch.Tensor, Buffer]] = {}  # worker -> the newest (header, buffer) to send
+        self.inflight: set[int] = set()  # workers whose last delivery RPC is still sending
         self.seq = itertools.count(1)  # numbers deliveries: a receiver keeps the newest whatever order RPC runs them in
-        #: workers with a delivery in flight, and the newest one waiting for each (newest wins): a
-        #: slow or frozen worker costs at most the payload in flight to it and one pending
-        self.inflight: set[int] = set()
-        self.queued: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.stop = threading.Event()
+        self.stopping = threading.Event()
         self.starter: threading.Thread | None = None
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
+        self.stopping.clear()
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
-        self.starter = threading.Thread(target=self._start, name="wsync-rpc-start", daemon=True)
+        self.starter = threading.Thread(target=self._start_agent, name="wsync-rpc-start", daemon=True)
         self.starter.start()
 
-    def _start(self) -> None:
+    def _start_agent(self) -> None:
         agent = self.agent
-        while len(agent.joined()) < self.num_workers:
-            if self.stop.wait(0.05):
+        while len(agent.joined()) < self.ctx.num_workers:
+            if self.stopping.wait(0.05):
                 return
         try:
             agent.start(self.timeout)
         except TransportError as exc:
             log.warning("%s", exc)
-            for w in range(self.num_workers):
-                self._left(w, str(exc))
+            for w in range(self.ctx.num_workers):
+                self.emit(Left(w, str(exc)))
             return
-        with self.lock:
+        with self.cond:
             self.ready = True
-            pending, self.pending = self.pending, {}
-        for w, (head, buffer) in pending.items():
-            self._send(w, head, buffer)
+            for w in list(self.pending):
+                self._pump(w)
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
-        # a fresh buffer: RPC may still be reading an older one while it sends
-        return torch.empty(self.nbytes, dtype=torch.uint8)
-
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        if self.agent is None:
-            raise TransportError("rpc: publish() before open() or after close()")
-        head = _as_tensor(bytes(header))
-        with self.lock:
-            if not self.ready:
-                self.pending.update((w, (head, buffer)) for w in workers)
-                return
+    def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        head = _as_tensor(header)
         for w in workers:
-            self._send(w, head, buffer)
+            self.hold(buffer, w)  # until RPC has sent it, or a newer one replaced it
+            older = self.pending.get(w)
+            self.pending[w] = (head, buffer)
+            if older is not None:
+                self.let_go(older[1], w)
+            self._pump(w)
 
-    def _send(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Send at once if nothing is in flight to ``worker``, else keep it as the one to send next."""
-        with self.lock:
-            if worker in self.inflight:
-                self.queued[worker] = (head, buffer)  # newest wins: an older one waiting is dropped
-                return
-            self.inflight.add(worker)
-        self._rpc(worker, head, buffer)
-
-    def _rpc(self, worker: int, head: torch.Tensor, buffer: torch.Tensor) -> None:
-        try:
-            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, buffer), timeout=self.timeout)
-        except RuntimeError as exc:
-            with self.lock:
-                self.inflight.discard(worker)
-                self.queued.pop(worker, None)
-            self._left(worker, f"cannot send to {worker_name(worker)}: {_brief(exc)}")
+    def _pump(self, worker: int) -> None:
+        """Send ``worker`` its pending delivery unless one is in flight (with ``self.cond`` held)."""
+        if not self.ready or worker in self.inflight or worker not in self.pending:
             return
-        fut.add_done_callback(lambda f: self._sent(worker, f))
+        head, buffer = self.pending.pop(worker)
+        self.inflight.add(worker)
+        try:
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, buffer.tensor),
+                                timeout=self.timeout)
+        except RuntimeError as exc:
+            self.inflight.discard(worker)
+            self.let_go(buffer, worker)
+            self.emit(Left(worker, f"cannot send to {worker_name(worker)}: {_brief(exc)}"))
+            return
+        fut.add_done_callback(lambda f: self._sent(worker, buffer, f))
 
-    def _sent(self, worker: int, fut: torch.futures.Future) -> None:
-        """A delivery ended (arrived, or failed: Left); the newest one waiting for ``worker`` goes next."""
+    def _sent(self, worker: int, buffer: Buffer, fut: torch.futures.Future) -> None:
         try:
             fut.wait()
+            failure = None
         except RuntimeError as exc:
-            self._left(worker, f"delivery to {worker_name(worker)} failed: {_brief(exc)}")
-        with self.lock:
-            following = None if self.stop.is_set() else self.queued.pop(worker, None)
-            if following is None:
-                self.inflight.discard(worker)
-                return
-        self._rpc(worker, *following)
+            failure = f"delivery to {worker_name(worker)} failed: {_brief(exc)}"
+        with self.cond:
+            self.inflight.discard(worker)
+            self.let_go(buffer, worker)
+            if failure is not None:
+                self.emit(Left(worker, failure))
+            elif self.is_open:
+                self._pump(worker)
 
-    def _left(self, worker: int, reason: str) -> None:
-        with _cond:
-            if _owner and _owner[0] is self:
-                _events.append(Left(worker, reason))
-                _cond.notify_all()
-
-    def poll(self, deadline: Deadline) -> list[Event]:
-        with _cond:
-            while not _events and not deadline.expired():
-                _cond.wait(deadline.slice(1.0))
-            events = list(_events)
-            _events.clear()
-        return events
-
-    def close(self) -> None:
-        self.stop.set()
+    def stop(self) -> None:
+        self.stopping.set()
         if self.starter is not None:
             self.starter.join(self.timeout + 10)
             if self.starter.is_alive():
                 log.warning("rpc: the agent start thread did not stop")
             self.starter = None
         agent, self.agent = self.agent, None
-        self.pending.clear()
-        with self.lock:
-            self.queued.clear()
+        with self.cond:
+            self.pending.clear()
+            self.inflight.clear()
+            self.ready = False
         if agent is not None:
             agent.close()
 
 
-class RpcReceiver(ReceiverEndpoint):
+class RpcReceiver(ReceiverBase):
+    """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox."""
+
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
+        super().__init__(f"rpc {worker_name(ctx.worker_idx)}", ctx)
         self.options = options
         self.worker = ctx.worker_idx
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
-        self.woken = False  # the scheme is shutting down: recv returns at once
+        #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
+        #: can arrive after a newer one and must not replace it
+        self.newest = -1
 
-    def open(self, deadline: Deadline) -> None:
+    def start(self, deadline: Deadline) -> None:
+        self.newest = -1
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
-        try:
-            self.agent.start(deadline.remaining())
-            self._tell(_JOIN, b"", wait=True)
-        except BaseException:
-            self.close()
-            raise
+        self.agent.start(deadline.remaining())
+        self._tell(_JOIN, b"", wait=True)
+
+    def arrived(self, seq: int, header: bytes, payload: torch.Tensor) -> None:
+        """A delivery from RPC's thread: into the mailbox unless a newer one came first."""
+        with self.cond:
+            if seq <= self.newest or not self.is_open:
+                return
+            self.newest = seq
+            self.put(Delivery(header, payload))
 
     def _tell(self, kind: int, data: bytes, wait: bool = False) -> None:
         try:
@@ -453,26 +426,11 @@ class RpcReceiver(ReceiverEndpoint):
         except RuntimeError as exc:
             raise TransportError(f"rpc: {worker_name(self.worker)} cannot reach {SENDER}: {_brief(exc)}") from exc
 
-    def recv(self, deadline: Deadline) -> Delivery | None:
-        with _cond:
-            while not _mailbox and not self.woken and not deadline.expired():
-                _cond.wait(deadline.slice(1.0))
-            if not _mailbox or self.woken:
-                return None
-            header, payload = _mailbox.pop()
-        return Delivery(header, payload)
-
     def ack(self, data: bytes) -> None:
-        if self.agent is None:
-            raise TransportError(f"rpc: {worker_name(self.worker)}: ack() before open() or after close()")
+        self.check_open()
         self._tell(_ACK, bytes(data))
 
-    def wake(self) -> None:
-        with _cond:
-            self.woken = True
-            _cond.notify_all()
-
-    def close(self) -> None:
+    def stop(self) -> None:
         agent, self.agent = self.agent, None
         if agent is None:
             return

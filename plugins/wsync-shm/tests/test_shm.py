@@ -7,14 +7,11 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from shm_procs import fill, holds, make_model, receiver_main
 
 from wsync_core import TransportError, WeightSyncScheme
 from wsync_shm import ShmTransport
 from wsync_shm.slot import SHM_DIR
-from wsync_shm.wire import DELIVER, FrameReader, frame
 
 
 def slot_files(name: str) -> list[str]:
@@ -195,20 +192,3 @@ def test_names_are_checked_and_travel_with_the_pickle() -> None:
         ShmTransport(name="../etc")
     t = ShmTransport()
     assert pickle.loads(pickle.dumps(t)).options == t.options
-
-
-@settings(max_examples=50, deadline=None)
-@given(bodies=st.lists(st.binary(max_size=300), max_size=8), cuts=st.lists(st.integers(1, 64), min_size=1))
-def test_frames_survive_any_chunking(bodies: list[bytes], cuts: list[int]) -> None:
-    stream = b"".join(frame(DELIVER, b) for b in bodies)
-    reader, got, pos, i = FrameReader(300), [], 0, 0
-    while pos < len(stream):
-        step = cuts[i % len(cuts)]
-        got += reader.feed(stream[pos:pos + step])
-        pos, i = pos + step, i + 1
-    assert got == [(DELIVER, b) for b in bodies]
-
-
-def test_oversized_frames_are_refused() -> None:
-    with pytest.raises(TransportError, match="limit"):
-        FrameReader(10).feed(frame(DELIVER, b"x" * 11))

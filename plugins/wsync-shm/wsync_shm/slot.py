@@ -13,11 +13,10 @@ import mmap
 import os
 import struct
 import threading
-import warnings
 
 import torch
 
-from wsync_core import TransportError
+from wsync_core import TransportError, memory
 
 __all__ = ["Slot", "SHM_DIR", "HEAD"]
 
@@ -28,40 +27,24 @@ _GEN = struct.Struct("<Q")
 
 
 class Slot:
-    """One mapped slot file; ``payload`` is a uint8 tensor over its payload bytes."""
+    """One mapped slot file (``wsync_core.memory``) with a head; ``payload`` is a uint8 tensor over
+    its payload bytes."""
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, writable: bool) -> None:
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, payload: torch.Tensor, writable: bool) -> None:
         self.path = path
         self._fd = fd
         self._mm = mm
+        self.payload = payload
         self._locks = 0
         self._guard = threading.Lock()  # a lease may give a lock back from another thread
         self._closing = False
         self.writable = writable
-        nbytes = len(mm) - HEAD
-        if nbytes == 0:
-            self.payload = torch.empty(0, dtype=torch.uint8)
-        else:
-            with warnings.catch_warnings():  # a read-only mapping: torch warns it cannot mark it so
-                warnings.simplefilter("ignore", UserWarning)
-                self.payload = torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)
 
     @classmethod
     def create(cls, path: str, nbytes: int) -> Slot:
         """Create, size and map a new slot file; raises TransportError if it exists or /dev/shm is full."""
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise TransportError(f"cannot create shared-memory file {path}: {exc}") from None
-        try:
-            os.posix_fallocate(fd, 0, HEAD + nbytes)  # ENOSPC now rather than SIGBUS on first write
-            mm = mmap.mmap(fd, HEAD + nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(path)
-            raise TransportError(f"cannot allocate {HEAD + nbytes} bytes of shared memory at {path}: {exc}; "
-                                 f"is {SHM_DIR} large enough?") from None
-        return cls(path, fd, mm, writable=True)
+        slot = memory.Slot.file(path, nbytes, offset=HEAD)
+        return cls(path, slot.fd, slot.map, slot.tensor, writable=True)
 
     @classmethod
     def open(cls, path: str) -> Slot:
@@ -74,20 +57,16 @@ class Slot:
             size = os.fstat(fd).st_size
             if size < HEAD:
                 raise TransportError(f"shared-memory file {path} has {size} bytes, expected at least {HEAD}")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            mm, payload = memory.map_shared(fd, size, offset=HEAD)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, writable=False)
+        return cls(path, fd, mm, payload, writable=False)
 
     def private_payload(self) -> torch.Tensor:
         """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
         this process. It follows the slot only while this process holds a lock on it."""
-        nbytes = len(self._mm) - HEAD
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        mm = mmap.mmap(self._fd, HEAD + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return torch.frombuffer(mm, dtype=torch.uint8, offset=HEAD, count=nbytes)  # keeps ``mm`` alive
+        return memory.map_private(self._fd, HEAD, len(self._mm) - HEAD)
 
     # -- generation and locks ---------------------------------------------------------------
     @property

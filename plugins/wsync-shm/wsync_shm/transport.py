@@ -27,7 +27,6 @@ import re
 import secrets
 import selectors
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -53,19 +52,17 @@ from wsync_core import (
     WorkerTimeoutError,
     zero_copy_for,
 )
-from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.memory import populate
 from wsync_core.transport import Event
 
 from . import wire
+from .wire import FRAMING, REASON_BYTES, Kind
 from .slot import SHM_DIR, Slot
 
 __all__ = ["ShmTransport"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,80}\Z")
 _TOKEN = re.compile(rb"[0-9a-f]{12}\Z")
-_WORKER = struct.Struct("<q")
-_TAKEN = struct.Struct("<Q")
-_DELIVER = struct.Struct("<IQ")  # slot index, generation
 _ACK_SEND_TIMEOUT = 30.0
 _CHUNK = 1 << 16  # a larger read buffer costs an mmap per call: 12 us at 1 MiB
 
@@ -82,7 +79,7 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.worker: int | None = None
-        self.reader = wire.FrameReader(_TAKEN.size + MAX_ACK_BYTES)
+        self.reader = FRAMING.reader("a shm receiver", accept=[Kind.HELLO])
         self.out = bytearray()
         self.pid = wire.peer_pid(sock)
 
@@ -224,7 +221,7 @@ class _Sender(SenderEndpoint):
             self._slots[index].unlock()
             self._latest = index
         gen = self._slots[index].gen
-        message = wire.frame(wire.DELIVER, _DELIVER.pack(index, gen) + header)
+        message = FRAMING.encode(Kind.DELIVER, header, arg=index, value=gen)
         for w in workers:
             conn = self._conns.get(w)
             if conn is not None:
@@ -277,20 +274,18 @@ class _Sender(SenderEndpoint):
         if not data:
             return self._drop(conn, "connection closed (the worker shut down or died)")
         try:
-            frames = conn.reader.feed(data)
+            for frame in conn.reader.feed(data):
+                if frame.kind == Kind.HELLO:
+                    conn.reader.accept = frozenset([Kind.ACK])
+                    self._hello(conn, frame.arg)
+                else:
+                    w = conn.worker
+                    self._taken[w] = max(self._taken.get(w, -1), frame.value)
+                    self._events.append(Acked(w, frame.body))
+                if conn.sock.fileno() < 0:
+                    return
         except TransportError as exc:
             return self._drop(conn, f"protocol violation: {exc}")
-        for kind, body in frames:
-            if kind == wire.HELLO and conn.worker is None and len(body) == _WORKER.size:
-                self._hello(conn, _WORKER.unpack(body)[0])
-            elif kind == wire.ACK and conn.worker is not None and len(body) >= _TAKEN.size:
-                w = conn.worker
-                self._taken[w] = max(self._taken.get(w, -1), _TAKEN.unpack_from(body)[0])
-                self._events.append(Acked(w, body[_TAKEN.size:]))
-            else:
-                return self._drop(conn, f"protocol violation: unexpected frame {bytes([kind])!r}")
-            if conn.sock.fileno() < 0:
-                return
 
     def _hello(self, conn: _Conn, w: int) -> None:
         if not 0 <= w < self._num_workers:
@@ -304,12 +299,12 @@ class _Sender(SenderEndpoint):
         self._conns[w] = conn
         self._mailbox.pop(w, None)
         self._taken[w] = -1
-        self._send(conn, wire.frame(wire.WELCOME, self._token.encode()))
+        self._send(conn, FRAMING.encode(Kind.WELCOME, self._token.encode()))
         self._events.append(Joined(w))
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         try:
-            conn.sock.send(wire.frame(wire.REFUSE, reason.encode()))
+            conn.sock.send(FRAMING.encode(Kind.REFUSE, reason.encode()[:REASON_BYTES]))
         except OSError:
             pass
         self._drop(conn, reason)
@@ -345,7 +340,7 @@ class _Receiver(ReceiverEndpoint):
         self._worker = ctx.worker_idx
         self._sock: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
-        self._reader = wire.FrameReader(_DELIVER.size + MAX_HEADER_BYTES)
+        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
         self._token: str | None = None
         self._slots: dict[int, Slot] = {}
         self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
@@ -370,7 +365,7 @@ class _Receiver(ReceiverEndpoint):
                             []) from None
                     time.sleep(deadline.slice(0.01))
             wire.check_peer(sock)
-            sock.sendall(wire.frame(wire.HELLO, _WORKER.pack(self._worker)))
+            sock.sendall(FRAMING.encode(Kind.HELLO, arg=self._worker))
             sock.setblocking(False)
         except BaseException:
             sock.close()
@@ -419,18 +414,18 @@ class _Receiver(ReceiverEndpoint):
                 return self._sender_gone(f"the connection to the shm sender failed ({exc})")
             if not data:
                 return self._sender_gone(f"the shm sender {self._name!r} closed the connection (it shut down or died)")
-            for kind, body in self._reader.feed(data):
-                if kind == wire.DELIVER and len(body) >= _DELIVER.size and self._token is not None:
-                    index, gen = _DELIVER.unpack_from(body)
-                    self._newest = (index, gen, body[_DELIVER.size:])
-                elif kind == wire.WELCOME and _TOKEN.match(body) and self._token is None:
-                    self._token = body.decode()
-                elif kind == wire.REFUSE:
-                    self._closed_by = f"the shm sender refused this worker: {body.decode(errors='replace')}"
+            for frame in self._reader.feed(data):
+                if frame.kind == Kind.DELIVER:
+                    self._newest = (frame.arg, frame.value, frame.body)
+                elif frame.kind == Kind.WELCOME and _TOKEN.match(frame.body):
+                    self._token = frame.body.decode()
+                    self._reader.accept = frozenset([Kind.DELIVER, Kind.REFUSE])
+                elif frame.kind == Kind.REFUSE:
+                    self._closed_by = f"the shm sender refused this worker: {frame.body.decode(errors='replace')}"
                     return
                 else:
                     raise TransportError(f"worker {self._worker}: the shm sender sent a malformed "
-                                         f"frame {bytes([kind])!r} of {len(body)} bytes")
+                                         f"welcome {frame.body[:12]!r}")
             if len(data) < _CHUNK:  # drained (more may come: the next call reads it)
                 return
 
@@ -458,7 +453,8 @@ class _Receiver(ReceiverEndpoint):
                 slot.unlock()
 
         if self._zero_copy:
-            return Delivery(header, slot.private_payload(), release, adoptable=True)
+            payload = slot.private_payload()
+            return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
         return Delivery(header, slot.payload, release)
 
     def _sender_gone(self, why: str) -> None:
@@ -475,7 +471,7 @@ class _Receiver(ReceiverEndpoint):
     def ack(self, data: bytes) -> None:
         if self._closed_by is not None or self._sock is None:
             return
-        out = bytearray(wire.frame(wire.ACK, _TAKEN.pack(self._taken) + data))
+        out = bytearray(FRAMING.encode(Kind.ACK, data, value=self._taken))
         deadline = Deadline(_ACK_SEND_TIMEOUT)
         try:
             wire.send_some(self._sock, out)

@@ -1,58 +1,38 @@
-"""The control channel: length-prefixed frames over a Unix stream socket. Nothing is pickled.
+"""The control channel: frames (``wsync_core.framing``) over a Unix stream socket. Nothing is pickled.
 
-Receiver -> sender: HELLO(worker), ACK(generation taken, ack bytes).
-Sender -> receiver: WELCOME(token), DELIVER(slot, generation, header bytes), REFUSE(reason).
-Payloads never cross the socket; they stay in the slot files.
+Receiver -> sender: HELLO(arg: worker), ACK(value: generation taken, body: ack bytes).
+Sender -> receiver: WELCOME(body: token), DELIVER(arg: slot, value: generation, body: header),
+REFUSE(body: reason). Payloads never cross the socket; they stay in the slot files.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import struct
 
 from wsync_core import TransportError
+from wsync_core.framing import Framing
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
-__all__ = [
-    "HELLO", "ACK", "WELCOME", "DELIVER", "REFUSE",
-    "frame", "FrameReader", "address", "peer_pid", "check_peer", "send_some",
-]
+__all__ = ["Kind", "FRAMING", "REASON_BYTES", "address", "peer_pid", "check_peer", "send_some"]
 
-HELLO, ACK, WELCOME, DELIVER, REFUSE = b"H"[0], b"A"[0], b"W"[0], b"D"[0], b"R"[0]
-_PREFIX = struct.Struct("<IB")  # body length, kind
+#: the longest reason a REFUSE frame carries
+REASON_BYTES = 4096
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
-def frame(kind: int, body: bytes = b"") -> bytes:
-    """One frame: 4-byte little-endian body length, 1 kind byte, body."""
-    return _PREFIX.pack(len(body), kind) + body
+class Kind(enum.IntEnum):
+    HELLO = 1    # receiver -> sender
+    ACK = 2      # receiver -> sender
+    WELCOME = 3  # sender -> receiver
+    DELIVER = 4  # sender -> receiver
+    REFUSE = 5   # sender -> receiver
 
 
-class FrameReader:
-    """Reassembles frames from a byte stream; refuses any frame whose body exceeds ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """Add received bytes; return the frames now complete. Raises TransportError on an oversized frame."""
-        self._buf += data
-        frames = []
-        pos = 0
-        buf = self._buf
-        while len(buf) - pos >= _PREFIX.size:
-            length, kind = _PREFIX.unpack_from(buf, pos)
-            if length > self.limit:
-                raise TransportError(f"peer sent a frame of {length} bytes; the limit is {self.limit}")
-            end = pos + _PREFIX.size + length
-            if len(buf) < end:
-                break
-            frames.append((kind, bytes(buf[pos + _PREFIX.size:end])))
-            pos = end
-        if pos:
-            del buf[:pos]
-        return frames
+FRAMING = Framing(b"WSHM", {Kind.HELLO: 0, Kind.ACK: MAX_ACK_BYTES, Kind.WELCOME: 12,
+                            Kind.DELIVER: MAX_HEADER_BYTES, Kind.REFUSE: REASON_BYTES})
 
 
 def address(name: str) -> bytes:

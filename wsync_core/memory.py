@@ -1,0 +1,138 @@
+"""Slots of shared memory for same-host transports (shm, mp): one file of memory, mapped.
+
+A *slot* is a file of memory (a named file under /dev/shm, or an anonymous memfd whose
+descriptor travels to the workers) holding one payload. The sender maps it read-write
+(``Slot``); a worker maps it read-only (``map_shared``) or, to adopt it as its model's memory,
+privately (``map_private``: reads see the slot, a worker's writes stay in its process). A fresh
+mapping has no page-table entries: the first read of every page traps into the kernel, which
+here costs about one more read of the whole payload; ``populate`` takes those faults in one
+call instead, where the caller chooses (after the ack: ``Delivery.warm``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import mmap
+import os
+import sys
+import warnings
+
+import torch
+
+from .errors import TransportError
+
+__all__ = ["Slot", "map_shared", "map_private", "populate"]
+
+#: the seals a memfd slot carries: its size can never change under a reader
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+#: madvise(2) advice that maps every page of a range for reading, without copying on write (Linux 5.14)
+_MADV_POPULATE_READ = 22
+_PAGE = mmap.PAGESIZE
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _madvise() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise_fn = _madvise()
+
+
+class Slot:
+    """A sender's slot: a file of shared memory, mapped read-write; ``tensor`` is its ``nbytes``
+    of payload after ``offset`` bytes of the transport's own (a head)."""
+
+    def __init__(self, fd: int, nbytes: int, offset: int = 0) -> None:
+        """Map the file ``fd`` (sized already; owned from now on). Raises OSError if it cannot be mapped."""
+        self.fd = fd
+        self.nbytes = nbytes
+        self.map = mmap.mmap(fd, max(offset + nbytes, 1), flags=mmap.MAP_SHARED | _POPULATE)
+        self.tensor: torch.Tensor | None = (torch.frombuffer(self.map, dtype=torch.uint8, offset=offset, count=nbytes)
+                                            if nbytes else torch.empty(0, dtype=torch.uint8))
+
+    @classmethod
+    def memfd(cls, name: str, nbytes: int) -> Slot:
+        """A new anonymous, sealed memfd slot (its descriptor can be passed to workers, who cannot
+        resize it). Raises TransportError if the memory cannot be had."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))  # an empty file cannot be mapped
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return cls(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            raise TransportError(f"cannot allocate a slot of {nbytes} bytes of shared memory: {exc}") from None
+
+    @classmethod
+    def file(cls, path: str, nbytes: int, offset: int = 0) -> Slot:
+        """A new named slot file at ``path`` (mode 0600) of ``offset + nbytes`` bytes, allocated
+        now (ENOSPC here rather than SIGBUS on first write). Raises TransportError if it exists or
+        the memory cannot be had."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory file {path}: {exc}") from None
+        try:
+            os.posix_fallocate(fd, 0, offset + nbytes)
+            return cls(fd, nbytes, offset)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise TransportError(f"cannot allocate {offset + nbytes} bytes of shared memory at {path}: {exc}; "
+                                 f"is {os.path.dirname(path)} large enough?") from None
+
+    def close(self) -> None:
+        """Close the descriptor and let go of the mapping, which is unmapped once the last tensor
+        viewing it is freed (torch.frombuffer does not pin an mmap); idempotent."""
+        if self.fd < 0:
+            return
+        os.close(self.fd)
+        self.fd = -1
+        self.tensor = None
+        self.map = None
+
+
+def map_shared(fd: int, size: int, offset: int = 0, nbytes: int | None = None) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map ``size`` bytes of file ``fd`` read-only and shared (a worker's view of a sender's slot):
+    the mapping and a uint8 tensor over ``nbytes`` (default: all) of it after ``offset``. Raises
+    OSError if it cannot be mapped."""
+    nbytes = size - offset if nbytes is None else nbytes
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    if nbytes == 0:
+        return mm, torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only on purpose: a worker cannot write the sender's slot
+        warnings.simplefilter("ignore", UserWarning)
+        return mm, torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=nbytes)
+
+
+def map_private(fd: int, offset: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a new copy-on-write map of ``nbytes`` at ``offset`` in file ``fd``: reads
+    see the file, writes stay in this process; unmapped once the last tensor viewing it is freed.
+    Raises OSError if the file cannot be mapped."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(fd, offset + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=nbytes)  # keeps ``mm`` alive
+
+
+def populate(tensor: torch.Tensor) -> bool:
+    """Fault in the pages a CPU tensor views, for reading, in one call; True if the kernel did.
+
+    Only a speed-up: on a kernel without MADV_POPULATE_READ (before Linux 5.14) or another system
+    it does nothing and returns False, and the pages fault in on first use as before.
+    """
+    if _madvise_fn is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    start -= start % _PAGE
+    return _madvise_fn(start, end - start, _MADV_POPULATE_READ) == 0
