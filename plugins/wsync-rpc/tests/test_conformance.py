@@ -21,12 +21,3 @@ class TestRpcConformance(TransportSuite):
                                             "cannot bind it")
     def test_clean_sender_forks_after_connect(self, wsync) -> None:
         super().test_clean_sender_forks_after_connect(wsync)
-
-    # issue 16, slow workers: deliveries are newest-wins per worker (one in flight, one pending), which
-    # took the sender's growth from 7.6 to about 4.3 model sizes for a frozen worker; the rest are copies
-    # TensorPipe keeps of a payload in flight to a peer that does not read. Not strict: it depends on timing
-    @pytest.mark.xfail(strict=False, reason="known (issue 16): while a worker is frozen the rpc sender grows by "
-                                            "about 4 model sizes (TensorPipe's copies of the payload in flight), "
-                                            "above the suite's bound of 3")
-    def test_faults_slow_worker_gets_newest(self, wsync) -> None:
-        super().test_faults_slow_worker_gets_newest(wsync)
