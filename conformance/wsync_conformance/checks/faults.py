@@ -455,7 +455,7 @@ def _keep_sending(wsync: Context, s, spec: ModelSpec) -> int | None:
         s.fill(random_values(spec, 3100 + step))
         expected = digests(s.model)
         try:
-            v = s.scheme.send(timeout=wsync.timeout)
+            v = s.scheme.send(timeout=wsync.short_timeout * 5)  # sync=False: it waits on nobody
         except WorkerTimeoutError as exc:
             raise violated("live", f"send() with sync=False raised WorkerTimeoutError for {exc.workers} "
                                    f"while worker 1 was merely not receiving: the sender cannot keep "
