@@ -411,3 +411,127 @@ class _CorruptDelta(_Receiver):
 CorruptDelta = _transport("CorruptDelta", receiver=_CorruptDelta)
 BROKEN["CorruptDelta"] = "exact"
 SELECT["CorruptDelta"] = "test_delta_exact_sparse_changes"
+
+
+# -- faults (issue 16): slow workers, and network transports across hosts -------------------------
+
+
+class _StaleQueued(_Sender):
+    """Queues every version for a worker that is not reading and delivers them oldest first."""
+
+    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+        with self.channel.cond:
+            queues = self.channel.__dict__.setdefault("queues", {})
+            for w in workers:
+                queues.setdefault(w, []).append((header, buffer.clone()))
+                self.channel.mailbox[w] = queues[w][0]
+            self.channel.cond.notify_all()
+
+
+class _StaleQueuedReceiver(_Receiver):
+    """Takes the queued versions oldest first, one each tenth of a second (as through a pipe)."""
+
+    last = 0.0
+
+    def recv(self, deadline):
+        gap = self.last + 0.1 - time.monotonic()
+        if gap > 0:
+            if deadline.remaining() < gap:
+                return None
+            time.sleep(gap)
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        self.last = time.monotonic()
+        with self.channel.cond:  # the next queued one (oldest first) waits in the mailbox
+            queue = self.channel.__dict__.get("queues", {}).get(self.worker, [])
+            if queue:
+                queue.pop(0)
+            if queue:
+                self.channel.mailbox[self.worker] = queue[0]
+        return delivery
+
+
+StaleQueued = _transport("StaleQueued", sender=_StaleQueued, receiver=_StaleQueuedReceiver)
+BROKEN["StaleQueued"] = "live"
+SELECT["StaleQueued"] = "test_faults_slow_worker_gets_newest"
+
+try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
+    from wsync_tcp import TcpTransport
+    from wsync_tcp import _Receiver as _TcpReceiver
+    from wsync_tcp import _Sender as _TcpSender
+except ImportError:  # pragma: no cover - wsync-tcp is part of this repository
+    TcpTransport = None
+
+if TcpTransport is not None:
+
+    class _HoardingSender(_TcpSender):
+        """Delivers the newest version, but keeps a copy of every version for a worker until it acks."""
+
+        def __init__(self, options, ctx: SenderContext) -> None:
+            super().__init__(options, ctx)
+            self.hoard: dict[int, list[torch.Tensor]] = {}
+
+        def deliver(self, buffer, header: bytes, workers: Sequence[int]) -> None:
+            for w in workers:
+                self.hoard.setdefault(w, []).append(buffer.tensor.clone())
+            super().deliver(buffer, header, workers)
+
+        def emit(self, event) -> None:
+            from wsync_core.transport import Acked
+
+            if isinstance(event, Acked):
+                self.hoard.pop(event.worker, None)
+            super().emit(event)
+
+    class _HangsWhenSenderDies(_TcpReceiver):
+        """Once its sender is gone, recv() waits for a delivery that never comes, whatever its deadline."""
+
+        def _live(self, conn) -> None:
+            self.had_sender = True
+            super()._live(conn)
+
+        def recv(self, deadline):
+            if getattr(self, "had_sender", False) and self.conn is None:
+                threading.Event().wait()
+            return super().recv(deadline)
+
+    class _NoReconnect(_TcpReceiver):
+        """Talks to the first connection it makes; once that is lost (a cut link), it never reconnects."""
+
+        def _run(self) -> None:
+            while self.is_open:
+                try:
+                    stream = self.connect(min(2.0, self.heartbeat))
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+                self._serve(stream)
+                break
+            while self.is_open:  # alive, connected to nothing
+                time.sleep(0.1)
+
+    def _tcp(name: str, sender: type = _TcpSender, receiver: type = _TcpReceiver, heartbeat: float = 10.0) -> type:
+        def make_sender(self, ctx: SenderContext):
+            return sender(self.options, ctx)
+
+        def make_receiver(self, ctx: ReceiverContext):
+            return receiver(self.options, ctx)
+
+        def multi_host_options(host_address: str) -> dict:
+            return {"host": host_address, "heartbeat": heartbeat}
+
+        return type(name, (TcpTransport,), {"name": name.lower(), "sender": make_sender, "receiver": make_receiver,
+                                            "multi_host_options": staticmethod(multi_host_options),
+                                            "__module__": __name__})
+
+    HoardingSender = _tcp("HoardingSender", sender=_HoardingSender)
+    HangsWhenSenderDies = _tcp("HangsWhenSenderDies", receiver=_HangsWhenSenderDies)
+    NoReconnect = _tcp("NoReconnect", receiver=_NoReconnect, heartbeat=1.0)
+    BROKEN.update(HoardingSender="live", HangsWhenSenderDies="live", NoReconnect="live")
+    SELECT.update(HoardingSender="test_faults_slow_worker_gets_newest",
+                  HangsWhenSenderDies="test_faults_sender_killed",
+                  NoReconnect="test_faults_link_cut")
+    __all__ += ["HoardingSender", "HangsWhenSenderDies", "NoReconnect"]
+
+__all__ += ["StaleQueued"]

@@ -670,9 +670,10 @@ class Worker:
             return f"(no stack: {exc})"
 
     def kill(self) -> None:
-        """Kill the runner (a thread cannot be: it is abandoned, marked broken)."""
+        """Kill the runner with SIGKILL (a thread cannot be: it is abandoned, marked broken)."""
+        alive = self.alive()  # before marking it broken: a broken runner does not count as alive
         self.broken = True
-        if self.process and self.alive():
+        if self.process and alive:
             self.runner.kill()
         if self.process:
             if self.kind == "launched":

@@ -5,9 +5,10 @@ When the budget runs out it finds the transport call that did not return, in any
 process (a ``SenderEndpoint``/``ReceiverEndpoint`` method still on a stack) or in a receiver
 runner the test waits for (its stack, dumped by ``faulthandler``), and interrupts the test's
 thread with ``Hung``, which fails the test under "live" naming that call; the receiver runners
-involved are killed. A call blocked in C that does not return to Python when signalled gets
-three more chances 30 s apart; then the watchdog writes every stack to stderr and ends the
-process with status 70, so that a supervisor (``wsync conformance``) can record the failure and
+involved are killed. ``Hung`` is raised once (a second one would land in the test's teardown or
+in pytest's report of the first); a call blocked in C that does not return to Python when
+signalled is signalled again, up to three times 30 s apart. If the test has not ended by then,
+the watchdog writes every stack to stderr and ends the process with status 70, so that a supervisor (``wsync conformance``) can record the failure and
 go on with the rest.
 """
 
@@ -123,6 +124,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._fired: list[str] = []
+        self._delivered = False  # the test's thread got its Hung
         self._thread: threading.Thread | None = None
         self._previous = None
 
@@ -180,7 +182,8 @@ class Watchdog:
 
     # -- the watch ------------------------------------------------------------------------------
     def _interrupt(self, signum, frame) -> None:
-        if self._fired and not self._done.is_set():
+        if self._fired and not self._done.is_set() and not self._delivered:
+            self._delivered = True  # once: a second Hung would land in the test's teardown or report
             raise Hung(self._fired[-1])
 
     def _watch(self) -> None:
@@ -193,8 +196,9 @@ class Watchdog:
             sys.stderr.write(f"\nwsync conformance watchdog: {self._fired[-1]}\n" + "\n".join(details) + "\n")
             if self.on_hang is not None:
                 self.on_hang()
-            for _ in range(3):
-                signal.pthread_kill(main, _SIGNAL)
+            for _ in range(3):  # a call blocked in C sees the signal only when it returns to Python
+                if not self._delivered:
+                    signal.pthread_kill(main, _SIGNAL)
                 if self._done.wait(GRACE_S):
                     return
             sys.stderr.write(f"\nwsync conformance watchdog: {self.label} could not be interrupted "

@@ -10,6 +10,7 @@ from .clean import CleanChecks
 from .delta import DeltaChecks
 from .endpoint import EndpointChecks
 from .exact import ExactChecks
+from .faults import FaultChecks
 from .isolated import IsolatedChecks
 from .lifecycle import LifecycleChecks
 from .live import LiveChecks
@@ -21,4 +22,4 @@ from .versioned import VersionedChecks
 
 __all__ = ["SuiteBase", "ExactChecks", "IsolatedChecks", "AtomicChecks", "VersionedChecks", "LifecycleChecks",
            "LiveChecks", "TargetedChecks", "OrderedChecks", "PortableChecks", "CleanChecks", "SafeChecks", "EndpointChecks", "CapabilityChecks",
-           "DeltaChecks"]
+           "DeltaChecks", "FaultChecks"]

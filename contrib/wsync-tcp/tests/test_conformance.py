@@ -12,4 +12,4 @@ class TestTcp(TransportSuite):
         return {"authkey": "the-shared-secret-of-this-test" if good else "a-guess-at-the-secret"}
 
     def multi_host_options(self, host_address: str) -> dict:
-        return {"host": host_address}
+        return {"host": host_address, "heartbeat": 2.0}  # a cut longer than it: dropped, then reconnected

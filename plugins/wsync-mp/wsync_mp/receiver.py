@@ -222,6 +222,7 @@ class MpReceiver(ReceiverEndpoint):
         with self.cond:
             older, self.newest = self.newest, (index, frame.body)
             self.cond.notify_all()
+        self._send(FRAMING.encode(Kind.SEEN, arg=index))  # the sender may send the next (newest) one
         if older is not None:
             self._release(older[0])
 

@@ -1,9 +1,11 @@
 """The trainer's side of ``mp``: a listening Unix socket and one I/O thread for every connection.
 
 ``publish`` only records, per worker, the newest (slot, header) to send and wakes the thread;
-the thread sends notifications without ever blocking on a worker (non-blocking sockets), at
-most ``_OUTSTANDING`` unread ones per worker, so a stuck worker pins at most that many
-slots and never slows the others. Slots a worker took and still views (its model, tensors it
+the thread sends notifications without ever blocking on a worker (non-blocking sockets), one
+unread at a time per worker (the next follows once the worker says it read it), newest wins
+meanwhile, and at most ``_OUTSTANDING`` unreleased: a stuck or frozen worker pins the slot its
+model views, one unread notification and one pending version, never slows the others, and
+applies the newest version when it wakes. Slots a worker took and still views (its model, tensors it
 kept, a child it forked) stay out of use until it releases them, however many.
 """
 
@@ -35,8 +37,10 @@ __all__ = ["MpSender"]
 log = logging.getLogger("wsync.mp")
 
 #: notifications a worker may hold unreleased: the one its model views until it acks a newer one,
-#: the newest unread one, and one more in flight, which the worker's reader answers by releasing
-#: the older unread one; so a worker that stops receiving still always holds the newest version
+#: the one its reader read last, and one more in flight (sent once the previous one was read),
+#: which the reader answers by releasing the older unread one; so a worker that stops receiving
+#: still always holds the newest version, and one that stops altogether (frozen) pins one unread
+#: slot beyond its model's and gets the pending newest first when it wakes
 _OUTSTANDING = 3
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: events kept for poll(); a worker that floods past this is dropped
@@ -59,6 +63,7 @@ class _Conn:
         #: it forked) may view them for as long as it likes; they do not count against _OUTSTANDING
         self.pinned: list[int] = []
         self.pending: tuple[int, bytes] | None = None  # newest (slot, header) not yet notified
+        self.unseen: int | None = None  # the slot of the notification sent and not yet read
 
     def push(self, data: bytes, fds: list[int] | None = None) -> None:
         self.out.append((memoryview(data), fds or []))
@@ -273,6 +278,11 @@ class MpSender(SenderEndpoint):
                             self.cond.notify_all()
                             break
                     self._pump(conn)
+            elif frame.kind is Kind.SEEN:
+                with self.cond:
+                    if conn.unseen == frame.arg:
+                        conn.unseen = None
+                    self._pump(conn)
             elif frame.kind is Kind.ACK:
                 with self.cond:
                     if len(self.events) >= _MAX_EVENTS:
@@ -294,7 +304,7 @@ class MpSender(SenderEndpoint):
             with self.cond:
                 self._flush(conn)
             raise TransportError(f"a peer said it is worker {worker}, but num_workers is {self.num_workers}")
-        conn.reader.accept, conn.reader.peer = frozenset({Kind.RELEASE, Kind.ACK}), f"worker {worker}"
+        conn.reader.accept, conn.reader.peer = frozenset({Kind.RELEASE, Kind.ACK, Kind.SEEN}), f"worker {worker}"
         with self.cond:
             old = self.conns.pop(worker, None)
             if old is not None:  # a restarted worker: the new connection wins, quietly
@@ -308,8 +318,9 @@ class MpSender(SenderEndpoint):
             self._emit(Joined(worker))
 
     def _pump(self, conn: _Conn, from_io_thread: bool = True) -> None:
-        """Queue the newest pending notification for ``conn`` if it holds fewer than _OUTSTANDING, and write."""
-        if conn.pending is None or len(conn.held) >= _OUTSTANDING:
+        """Queue the newest pending notification for ``conn`` if the last one was read and it holds
+        fewer than _OUTSTANDING, and write."""
+        if conn.pending is None or conn.unseen is not None or len(conn.held) >= _OUTSTANDING:
             return
         index, header = conn.pending
         conn.pending = None
@@ -320,6 +331,7 @@ class MpSender(SenderEndpoint):
             conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
             conn.has_fd.add(index)
         conn.held.append(index)
+        conn.unseen = index
         self._flush(conn, from_io_thread)
 
     def _flush(self, conn: _Conn, from_io_thread: bool = True) -> None:
