@@ -406,6 +406,7 @@ class RpcReceiver(ReceiverBase):
         #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
         #: can arrive after a newer one and must not replace it
         self.newest = -1
+        self.last_ack: torch.futures.Future | None = None
 
     def start(self, deadline: Deadline) -> None:
         self.newest = -1
@@ -421,23 +422,29 @@ class RpcReceiver(ReceiverBase):
             self.newest = seq
             self.put(Delivery(header, payload))
 
-    def _tell(self, kind: int, data: bytes, wait: bool = False) -> None:
+    def _tell(self, kind: int, data: bytes, wait: bool = False) -> torch.futures.Future:
         try:
             fut = rpc.rpc_async(SENDER, _event, args=(kind, self.worker, _as_tensor(data)), timeout=self.timeout)
             if wait:
                 fut.wait()
         except RuntimeError as exc:
             raise TransportError(f"rpc: {worker_name(self.worker)} cannot reach {SENDER}: {_brief(exc)}") from exc
+        return fut
 
     def ack(self, data: bytes) -> None:
         self.check_open()
-        self._tell(_ACK, bytes(data))
+        self.last_ack = self._tell(_ACK, bytes(data))
 
     def stop(self) -> None:
         agent, self.agent = self.agent, None
         if agent is None:
             return
         if agent.started:
+            if self.last_ack is not None:  # RPC runs handlers on a pool: the last ack must land before the goodbye
+                try:
+                    self.last_ack.wait()
+                except RuntimeError as exc:
+                    log.debug("rpc: the last ack was not delivered: %s", _brief(exc))
             try:
                 self._tell(_LEAVE, b"", wait=True)
             except TransportError as exc:
