@@ -54,6 +54,7 @@ def test_runnable_examples_run(page: str, tmp_path: Path) -> None:
 def test_links_resolve_and_nothing_points_to_spec(page: str) -> None:
     text = (ROOT / page).read_text()
     assert "SPEC.md" not in text, f"{page} points to SPEC.md, which users do not have: link docs/ instead"
+    assert "/work/" not in text, f"{page} points to a path on the developers' machine, which users do not have"
     base = (ROOT / page).parent
     for target in _LINK.findall(text):
         if re.match(r"[a-z]+:", target):
