@@ -221,12 +221,7 @@ class Sender:
         report = SendReport(version, self.layout.nbytes, targets, snapshot_s=t1 - t0,
                             worker_nbytes={w: self.layout.nbytes for w in targets if w in self._joined},
                             full_nbytes=self.layout.nbytes, changed=None)
-        self._pending[version] = (report, t0)
-        while len(self._pending) > _MAX_PENDING:
-            self._pending.popitem(last=False)
-        self.last_report = report
-        for w in targets:
-            self._rejected.pop(w, None)
+        self._record(report, t0)
         self._deliver([w for w in targets if w in self._joined])
         report.publish_s = time.perf_counter() - t1
         log.debug("version %d: %d bytes to %s, snapshot %.3f ms", version, report.nbytes, targets,
@@ -290,12 +285,7 @@ class Sender:
             self._latest = full[-1] if full else None
         elif published:
             self._latest = None  # a joiner gets the mirror in full
-        self._pending[version] = (report, t0)
-        while len(self._pending) > _MAX_PENDING:
-            self._pending.popitem(last=False)
-        self.last_report = report
-        for w in targets:
-            self._rejected.pop(w, None)
+        self._record(report, t0)
         report.publish_s = time.perf_counter() - t2
         log.debug("version %d: %s bytes to %s (%s deltas), diff %.3f ms", version, report.worker_nbytes, targets,
                   report.delta_workers, report.diff_s * 1e3)
@@ -363,6 +353,15 @@ class Sender:
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
         self._latest = (self._publish_to(buffer, used, header, workers), header)
+
+    def _record(self, report: SendReport, t0: float) -> None:
+        """Make ``report`` the newest send, waited on by its acks; its targets' old rejections go."""
+        self._pending[report.version] = (report, t0)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        self.last_report = report
+        for w in report.targets:
+            self._rejected.pop(w, None)
 
     def _deliver(self, workers: list[int]) -> None:
         """Publish the latest snapshot to ``workers``; a worker's first delivery carries the layout."""
