@@ -224,8 +224,11 @@ class _BlockingPublish(_Sender):
     def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
         self.count += 1
         if self.count > 3:
-            threading.Event().wait()
+            self.block()
         super().publish(buffer, header, workers)
+
+    def block(self) -> None:
+        threading.Event().wait()
 
 
 class _DeadlineIgnored(_Receiver):
@@ -366,22 +369,15 @@ BROKEN["EagerReceiver"] = "ordered"
 SELECT["EagerReceiver"] = "test_ordered_init_does_not_connect"
 
 
-class _BlockedInC(_Sender):
+class _BlockedInC(_BlockingPublish):
     """From the fourth publish on, publish() blocks where no signal reaches it (as a call stuck in C)."""
 
-    def __init__(self, transport, ctx: SenderContext) -> None:
-        super().__init__(transport, ctx)
-        self.count = 0
-
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def block(self) -> None:
         import signal
 
-        self.count += 1
-        if self.count > 3:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-            while True:
-                time.sleep(3600)
-        super().publish(buffer, header, workers)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+        while True:
+            time.sleep(3600)
 
 
 BlockedInC = _transport("BlockedInC", sender=_BlockedInC)

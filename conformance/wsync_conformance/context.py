@@ -21,7 +21,7 @@ from .guarantees import violated
 from .models import ModelSpec, build, digests, fill
 from .target import Target
 
-__all__ = ["Context", "Session", "RawSender", "classify", "raw_receiver", "send_expect_timeout"]
+__all__ = ["Context", "Session", "RawSender", "classify", "raw_receiver", "expect_serving_after_hostile", "send_expect_timeout"]
 
 
 def classify(got: dict[str, str], expected: dict[int, dict[str, str]]) -> tuple[str, Any]:
@@ -303,6 +303,22 @@ def raw_receiver(wsync: Context) -> tuple[RawSender, harness.Worker, dict]:
     raw.publish(raw.header(0), [0])
     w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
     return raw, w, w.snapshot()["digests"]
+
+
+def expect_serving_after_hostile(raw: RawSender, w: harness.Worker, wsync: Context) -> None:
+    """After hostile headers, a good version 5 from ``raw`` must be applied by ``w`` (a hostile one
+    still in flight may surface first, as TransportError); raises a ``safe`` violation otherwise."""
+    from .models import fill_version
+
+    fill_version(raw.model, 4)
+    raw.publish(raw.header(5), [0])
+    for _ in range(3):
+        reply = w.call("receive", timeout=wsync.timeout)
+        if reply.error != "TransportError":
+            break
+    if reply.get("result") != 5:
+        raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}: "
+                               f"{reply.get('message', '')}")
 
 
 def check_held(worker: int, held: list[dict[str, Any]], expected: dict[int, dict[str, str]]) -> None:

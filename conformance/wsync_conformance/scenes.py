@@ -14,7 +14,7 @@ from typing import Any
 from wsync_core import TransportError, WeightSyncScheme
 
 from . import resources
-from .context import Context, RawSender, Session
+from .context import Context, RawSender, Session, expect_serving_after_hostile, raw_receiver
 from .guarantees import guarantee, violated
 from .models import digests, fill_version, version_spec
 from .strategies import HOSTILE_TOKENS
@@ -128,7 +128,7 @@ class SceneChecks:
         """Headers holding a 5000-digit integer, deeply nested arrays, NaN, non-UTF-8, a mistyped
         layout or a huge size: receive() raises TransportError (or gets nothing), the model is
         untouched, and the receiver keeps working."""
-        raw, w, before = _raw_receiver(wsync)
+        raw, w, before = raw_receiver(wsync)
         cases = {
             "a 5000-digit version": _hostile_header(raw, 1, b"9" * 5000, "v"),
             "a 5000-digit size": _hostile_header(raw, 1, b"1" * 5000, "n"),
@@ -151,15 +151,7 @@ class SceneChecks:
                                        f"({reply.get('message', '')[:200]}), expected TransportError (or nothing)")
             if w.snapshot()["digests"] != before:
                 raise violated("safe", f"a header with {what} changed the receiver's model")
-        fill_version(raw.model, 4)
-        raw.publish(raw.header(5), [0])
-        for _ in range(3):  # a hostile header still in flight may surface first, as TransportError
-            reply = w.call("receive", timeout=wsync.timeout)
-            if reply.error != "TransportError":
-                break
-        if reply.get("result") != 5:
-            raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}: "
-                                   f"{reply.get('message', '')}")
+        expect_serving_after_hostile(raw, w, wsync)
 
     @guarantee("safe")
     def test_safe_hostile_json_in_acks(self, wsync: Context) -> None:
@@ -248,19 +240,3 @@ class SceneChecks:
                                    f"{reply.get('receive_error') or reply.get('result')}, expected StateError")
         if reply["shutdown_s"] > _SLACK_S:
             raise violated("live", f"shutdown() took {reply['shutdown_s']:.1f} s while another thread received")
-
-
-def _raw_receiver(wsync: Context) -> tuple[RawSender, Any, dict]:
-    """One receiver connected to a raw sender (which can publish anything) and holding its
-    version 0; returns the sender, the receiver and the receiver's digests."""
-    spec = version_spec()
-    raw = RawSender(wsync, spec, 1)
-    (w,) = wsync.workers(1)
-    w.open(WeightSyncScheme(raw.transport, timeout=wsync.timeout), spec, wsync.device, 0)
-    w.call_async("connect", timeout=wsync.timeout)
-    raw.wait_joined([0])
-    fill_version(raw.model, 3)
-    raw.publish(raw.header(0), [0])
-    w.recv(wsync.timeout + 60).raise_for_error("receiver connect() to a raw sender")
-    return raw, w, w.snapshot()["digests"]
-

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -12,10 +13,11 @@ from wsync_core import Transport
 
 from .. import harness
 from ..context import Context
+from ..guarantees import violated
 from ..target import Target
 from ..watchdog import Watchdog
 
-__all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorough"]
+__all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorough", "expect_connect_refused"]
 
 #: slack on top of a timeout before a call counts as not honouring it (the machine may be busy)
 SLACK_S = 20.0
@@ -23,6 +25,20 @@ SLACK_S = 20.0
 BUDGET_SLACK_S = 30.0
 #: how much longer tests may take with ``--thorough`` (more examples, longer state machines)
 THOROUGH_FACTOR = 10.0
+
+
+def expect_connect_refused(worker: Any, timeout: float, what: str) -> None:
+    """Call ``connect(timeout)`` on a worker whose sender will not have it (none there, or a
+    static group that cannot admit it): it must raise WorkerTimeoutError or TransportError within
+    the timeout (plus SLACK_S). Raises a ``live`` violation naming ``what`` otherwise."""
+    t0 = time.monotonic()
+    reply = worker.call("connect", timeout=timeout)
+    took = time.monotonic() - t0
+    if reply.error not in ("WorkerTimeoutError", "TransportError"):
+        raise violated("live", f"{what}: connect(timeout={timeout:g}) gave {reply.error or 'success'}, "
+                               f"expected WorkerTimeoutError or TransportError")
+    if took > timeout + SLACK_S:
+        raise violated("live", f"{what}: connect(timeout={timeout:g}) took {took:.1f} s")
 
 
 def budget(seconds: float = 0.0, timeouts: float = 0.0, short_timeouts: float = 0.0) -> pytest.MarkDecorator:

@@ -36,7 +36,7 @@ from ..context import Context
 from ..guarantees import capability, guarantee, violated
 from ..models import ModelSpec, build, digests, many_spec, random_values
 from ..target import Target
-from .base import SLACK_S, budget, thorough
+from .base import SLACK_S, budget, expect_connect_refused, thorough
 
 __all__ = ["FaultChecks", "Cluster", "rss_bytes", "KILL_MOMENTS", "KILL_SIZES_KIB"]
 
@@ -423,14 +423,7 @@ def _replace_worker(c: Cluster, wsync: Context, wait: float) -> None:
     raises WorkerTimeoutError or TransportError in time and the survivor keeps being updated."""
     w = c.replace_remote()
     if not wsync.caps.late_join:
-        t0 = time.monotonic()
-        reply = w.call("connect", timeout=wait)
-        took = time.monotonic() - t0
-        if reply.error not in ("WorkerTimeoutError", "TransportError"):
-            raise violated("live", f"without late_join, a replacement worker's connect() gave "
-                                   f"{reply.error or 'success'}, expected WorkerTimeoutError or TransportError")
-        if took > wait + SLACK_S:
-            raise violated("live", f"a replacement worker's connect(timeout={wait:g}) took {took:.1f} s")
+        expect_connect_refused(w, wait, "a replacement worker without late_join")
         c.next_version()
         c.send_naming(1, wait, [0], "a send after a replacement for worker 1 was refused")
         return

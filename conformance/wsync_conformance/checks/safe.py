@@ -10,7 +10,7 @@ from wsync_core import TransportError
 from wsync_core.protocol import MAX_HEADER_BYTES
 
 from .. import resources
-from ..context import Context, raw_receiver
+from ..context import Context, expect_serving_after_hostile, raw_receiver
 from ..guarantees import guarantee, violated
 from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
 from ..trust import trusted_runtime, untrusted_unpickling
@@ -64,15 +64,7 @@ class SafeChecks:
         events = untrusted_unpickling(w.request("audit")["events"], trusted_runtime(wsync.target.cls))
         if events:
             raise violated("safe", f"the receiver unpickled hostile bytes: find_class{tuple(events[0])}")
-        fill_version(raw.model, 4)
-        raw.publish(raw.header(5), [0])
-        for _ in range(3):  # a hostile header still in flight may surface first, as TransportError
-            reply = w.call("receive", timeout=wsync.timeout)
-            if reply.error != "TransportError":
-                break
-        if reply.get("result") != 5:
-            raise violated("safe", f"after hostile headers a good delivery gave {reply.error or reply.get('result')}: "
-                                   f"{reply.get('message', '')}")
+        expect_serving_after_hostile(raw, w, wsync)
         # last: an oversized header (a transport may refuse to carry it, or drop the peer that sent it)
         before = w.snapshot()["digests"]
         fill_version(raw.model, 11)
