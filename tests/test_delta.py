@@ -208,3 +208,60 @@ def test_flatten_of_sender_is_untouched() -> None:
     before = {k: v.clone() for k, v in weights.items()}
     mirror.buffer.fill_(7)
     assert same(flatten(weights), before)
+
+
+def test_costs_probe_then_choose() -> None:
+    """Two slow-enough deltas, then one probe, then full only when 1.2x the probe beats every delta."""
+    from wsync_core.delta import Costs
+
+    fast = Costs()
+    fast.record("delta", 0.010, 0.001)
+    fast.record("delta", 0.010, 0.001)
+    assert fast.next_send() == "delta"  # a comparison under 5 ms is never replaced
+    for probe_s, expected in ((0.010, "full"), (0.070, "delta")):
+        c = Costs()
+        assert c.next_send() == "delta"
+        c.record("delta", 0.080, 0.060)
+        c.record("delta", 0.085, 0.061)
+        assert c.next_send() == "probe"
+        assert c.next_send() == "delta"  # the probe's ack is not in yet
+        c.record("probe", probe_s, 0.0)
+        assert c.next_send() == expected
+
+
+@pytest.mark.parametrize("margin,full_after", [(0.0, True), (1e9, False)])
+def test_full_when_cheaper_stays_exact(cluster, monkeypatch, margin, full_after) -> None:
+    """delta=True: after two deltas a probe goes full; then full sends (the copy freed) or deltas,
+    as the times say; every version arrives exact, send(keys=...) too."""
+    from wsync_core import delta as delta_module
+
+    monkeypatch.setattr(delta_module, "_PROBE_DIFF_S", 0.0)
+    monkeypatch.setattr(delta_module, "_MARGIN", margin)
+    weights = model_of(6)
+    c = cluster(n=2, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
+    kinds = []
+    for step in range(5):
+        scramble(weights, 40 + step, 0.01)
+        c.sender.send()
+        report = c.sender.last_report
+        kinds.append("delta" if report.delta_workers else "full")
+        assert all(same(r.model, weights) for r in c.receivers)
+    assert kinds == ["delta", "delta", "full"] + (["full", "full"] if full_after else ["delta", "delta"])
+    assert (c.sender._role.mirror is None) == full_after
+    scramble(weights, 50, 1.0)
+    c.sender.send(keys=["matrix"])
+    assert all(same(r.model["matrix"], weights["matrix"]) for r in c.receivers)
+
+
+def test_delta_always_never_probes(cluster, monkeypatch) -> None:
+    from wsync_core import delta as delta_module
+
+    monkeypatch.setattr(delta_module, "_PROBE_DIFF_S", 0.0)
+    weights = model_of(7)
+    c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
+                delta="always")
+    for step in range(4):
+        scramble(weights, 60 + step, 0.01)
+        c.sender.send()
+        assert c.sender.last_report.delta_workers == [0]
+        assert same(c.receivers[0].model, weights)

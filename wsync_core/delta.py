@@ -22,7 +22,7 @@ places than its indices would save is marked changed as a whole).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +33,15 @@ from .errors import TransportError
 from .layout import ALIGN, DTYPES, Entry, Layout
 
 __all__ = ["WIRE_DTYPES", "wire_layout", "Mirror", "Op", "decode_table", "apply_ops", "unpack_wire",
-           "check_wire_dtype", "Encoded"]
+           "check_wire_dtype", "Encoded", "Costs"]
 
 #: the dtypes floating tensors may travel in (``wire_dtype=``)
 WIRE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                        "float32": torch.float32}
 _WIRE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
-#: elements compared per step (bounds the temporary memory of a diff)
-_CHUNK = 1 << 24  # a multiple of 8
+#: bytes of the mirror compared per step: the two sides stay in the cache while a step's
+#: changed words are picked out and copied (bounds the temporary memory of a diff too)
+_CHUNK_BYTES = 8 << 20
 #: a tensor is sent whole when its indices and values would take at least this share of its bytes
 _WHOLE_SHARE = 1.0
 _INDEX_BYTES = 4
@@ -234,6 +235,51 @@ class Mirror:
         buffer[:self.wire.nbytes].copy_(self.buffer)
 
 
+class Costs:
+    """Decides, send by send, whether diffing pays on this sender's transport, from what whole-model
+    sends took end to end (snapshot to last ack).
+
+    The rule (``delta=True``; ``delta="always"`` has no ``Costs``): deltas are sent while fewer
+    than ``_SAMPLES_BEFORE_PROBE`` were timed or their comparison (``diff_s``) stayed under
+    ``_PROBE_DIFF_S``; then one send goes full without a diff (the probe: the mirror is reset to
+    the new version and copied out, so it stays the base of later deltas); afterwards a send goes
+    full without a diff (and the mirror is dropped) when ``_MARGIN`` times the probe's time is
+    below the fastest delta's, else deltas go on. On shared memory a full send is one copy while
+    the comparison alone reads the model twice, so there the full send wins."""
+
+    def __init__(self) -> None:
+        self.delta: deque[tuple[float, float]] = deque(maxlen=8)  # (total_s, diff_s)
+        self.full: float | None = None
+        self.probing = False
+
+    def record(self, kind: str, total_s: float, diff_s: float) -> None:
+        """Remember a whole-model send's time: ``kind`` "delta" (every target got one) or "probe"."""
+        if kind == "delta":
+            self.delta.append((total_s, diff_s))
+        elif kind == "probe":
+            self.full = total_s if self.full is None else min(self.full, total_s)
+            self.probing = False
+
+    def next_send(self) -> str:
+        """"delta", "probe" (time one full send without a diff) or "full" (diffing does not pay)."""
+        if self.probing or len(self.delta) < _SAMPLES_BEFORE_PROBE:
+            return "delta"
+        if self.full is None:
+            if min(d for _, d in self.delta) < _PROBE_DIFF_S:
+                return "delta"
+            self.probing = True
+            return "probe"
+        return "full" if self.full * _MARGIN < min(t for t, _ in self.delta) else "delta"
+
+
+#: deltas timed before the probe
+_SAMPLES_BEFORE_PROBE = 2
+#: a comparison faster than this (seconds) is never replaced by full sends
+_PROBE_DIFF_S = 0.005
+#: full sends replace deltas when this many times the probe's time is below the fastest delta's
+_MARGIN = 1.2
+
+
 class _Scratch:
     """Temporary buffers a diff reuses from one call to the next (a fresh multi-megabyte tensor
     would cost its page faults every time)."""
@@ -250,16 +296,18 @@ class _Scratch:
 
 def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor | None:
     """Copy into ``mirror`` the elements of ``source`` (cast to its dtype) whose bits differ;
-    their ascending indices (int64)."""
+    their ascending indices (int64). Works in steps of ``_CHUNK_BYTES`` of the mirror, so that
+    each step's temporaries (the mask, the changed words) stay in the cache."""
     scratch = scratch or _Scratch()
+    step = max(8, _CHUNK_BYTES // mirror.element_size())
     found = []
-    for a in range(0, mirror.numel(), _CHUNK):
-        src = source[a:a + _CHUNK]
+    for a in range(0, mirror.numel(), step):
+        src = source[a:a + step]
         if src.dtype != mirror.dtype:
             src = scratch.get(src.numel(), mirror.dtype, mirror.device).copy_(src)
-        idx = _changed(mirror[a:a + _CHUNK], src, scratch)
+        idx = _changed(mirror[a:a + step], src, scratch)
         if idx is not None:
-            found.append(idx + a if a else idx)
+            found.append(idx.add_(a) if a else idx)
     if not found:
         return None
     return found[0] if len(found) == 1 else torch.cat(found)
@@ -276,24 +324,10 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _nonzero(mask: torch.Tensor) -> torch.Tensor | None:
-    """The ascending indices of the True elements of a flat bool ``mask`` (None if there are none):
-    found 8 at a time first (as int64 words of the mask), then one by one inside those words."""
-    n = mask.numel()
-    if n % 8 or n < 4096:
-        idx = mask.nonzero().view(-1)
-        return idx if idx.numel() else None
-    words = mask.view(torch.int64)
-    groups = words.nonzero().view(-1)
-    if not groups.numel():
-        return None
-    inner = words.index_select(0, groups).view(torch.bool).nonzero().view(-1)
-    return groups.index_select(0, inner // 8) * 8 + inner % 8
-
-
 def _changed(mirror: torch.Tensor, src: torch.Tensor, scratch: _Scratch) -> torch.Tensor | None:
     """Update ``mirror`` (flat) to ``src``'s bits where they differ; the indices that did (None if none).
-    Narrow elements are compared 8 bytes at a time first, then one by one inside the words that differ."""
+    Narrow elements are compared 8 bytes at a time; only the words that differ are copied into
+    the mirror and looked into element by element."""
     size = mirror.element_size()
     m_words = _words(mirror) if size < 8 else None
     s_words = _words(src) if m_words is not None else None
@@ -302,19 +336,22 @@ def _changed(mirror: torch.Tensor, src: torch.Tensor, scratch: _Scratch) -> torc
         ne = s_bits != m_bits
         if ne.dim() > 1:
             ne = ne.any(1)
-        idx = _nonzero(ne)
-        if idx is None:
+        idx = ne.nonzero().view(-1)
+        if not idx.numel():
             return None
         m_bits.index_copy_(0, idx, s_bits.index_select(0, idx))
         return idx
-    words = _nonzero(torch.ne(s_words, m_words, out=scratch.get(s_words.numel(), torch.bool, s_words.device)))
-    if words is None:
+    mask = torch.ne(s_words, m_words, out=scratch.get(s_words.numel(), torch.bool, s_words.device))
+    words = mask.nonzero().view(-1)  # one pass: cheaper than finding 8 words at a time first
+    if not words.numel():
         return None
-    old, new = m_words.index_select(0, words), s_words.index_select(0, words)
+    new, old = s_words.index_select(0, words), m_words.index_select(0, words)
     m_words.index_copy_(0, words, new)
     ratio = 8 // size
-    inner = (_bits(old.view(mirror.dtype)) != _bits(new.view(mirror.dtype))).nonzero().view(-1)
-    return words.index_select(0, inner // ratio) * ratio + inner % ratio
+    inner = torch.ne(old.view(_BITS[size]), new.view(_BITS[size])).nonzero().view(-1)
+    if inner.numel() == words.numel() * ratio:  # every element of each changed word
+        return (words.unsqueeze(1) * ratio + torch.arange(ratio, device=words.device)).view(-1)
+    return words.index_select(0, inner // ratio).mul_(ratio).add_(inner % ratio)
 
 
 # -- the receiver's side ------------------------------------------------------------------------

@@ -57,7 +57,12 @@ class WeightSyncScheme:
     cheaper or its version is unknown or older than the last ``delta_bases`` versions; the
     sender then keeps one copy of the model (in the wire dtype) and the changed indices of the
     last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
-    goes full (default 0.5; 0.1 on zero-copy transports). ``wire_dtype`` (torch.bfloat16,
+    goes full (default 0.5; 0.1 on zero-copy transports). Whether diffing pays at all is
+    measured: after two whole-model deltas whose comparison took 5 ms or more, one send goes full
+    without a comparison (timed to its last ack); if 1.2 times that is below the fastest delta
+    send, every later send is a full one (no comparison, the copy is freed: on shared memory a
+    full send is one copy, while comparing reads the model twice). ``delta="always"``: deltas
+    every time, for the fewest bytes. ``wire_dtype`` (torch.bfloat16,
     torch.float16 or torch.float32): floating tensors travel in it and arrive as
     ``x.to(wire_dtype).to(model_dtype)``.
     """
@@ -69,13 +74,15 @@ class WeightSyncScheme:
         strategy: str = "tensordict",
         sync: bool = True,
         timeout: float = 60.0,
-        delta: bool = False,
+        delta: bool | str = False,
         delta_bases: int = 2,
         delta_dense: float | None = None,
         wire_dtype: torch.dtype | None = None,
         **options: Any,
     ) -> None:
         Deadline(timeout)  # validates
+        if delta not in (True, False, "always"):
+            raise ValueError(f"delta must be True, False or 'always', got {delta!r}")
         if isinstance(delta_bases, bool) or not isinstance(delta_bases, int) or delta_bases < 1:
             raise ValueError(f"delta_bases must be an int >= 1, got {delta_bases!r}")
         if delta_dense is not None and not (isinstance(delta_dense, (int, float)) and 0 <= delta_dense <= 1):
@@ -83,7 +90,7 @@ class WeightSyncScheme:
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
         self._config = {"strategy": check_strategy(strategy), "sync": bool(sync),
-                        "timeout": float(timeout), "model_id": None, "delta": bool(delta),
+                        "timeout": float(timeout), "model_id": None, "delta": delta if delta == "always" else bool(delta),
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
         self._reset()
 
@@ -132,7 +139,8 @@ class WeightSyncScheme:
         return self._role.version if self._role is not None else -1
 
     @property
-    def delta(self) -> bool:
+    def delta(self) -> bool | str:
+        """True, False or "always" (see the class docstring)."""
         return self._config.get("delta", False)
 
     @property

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .deadline import Deadline
-from .delta import Mirror, wire_layout
+from .delta import Costs, Mirror, wire_layout
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
 from .layout import Layout, clip_keys
 from .protocol import Ack, Header, checksum
@@ -74,7 +74,7 @@ class Sender:
     """One model sent to ``num_workers`` workers through ``transport``; used under ``lock``."""
 
     def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: str,
-                 lock: threading.RLock, delta: bool = False, delta_bases: int = 2, wire_dtype: str | None = None,
+                 lock: threading.RLock, delta: bool | str = False, delta_bases: int = 2, wire_dtype: str | None = None,
                  delta_dense: float | None = None) -> None:
         """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on
         the meta device or a bad ``num_workers``, TypeError for weights of another type."""
@@ -114,6 +114,9 @@ class Sender:
         self.wire_layout = wire_layout(self.layout, wire_dtype)
         #: delta=True: the newest version as sent, and what the last versions changed
         self.mirror = Mirror(self.layout, wire_dtype, delta_bases, device_of(tensors)) if delta else None
+        #: delta=True: whether diffing pays here, from the times of past sends (delta_always: no such choice)
+        self.costs = Costs() if delta and delta != "always" else None
+        self._timed: OrderedDict[int, str] = OrderedDict()  # version -> "delta" or "probe", until acked
         if delta_dense is None:  # on shared memory a full payload is one copy and is adopted as it is
             delta_dense = 0.1 if transport.capabilities.zero_copy else 0.5
         #: a delta larger than this share of a full payload is sent as a full one
@@ -200,8 +203,14 @@ class Sender:
 
     def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
                      version: int, keys: list[str] | None = None) -> int:
+        choice = self.costs.next_send() if self.costs is not None and keys is None and version > 0 else "delta"
+        if choice == "full":  # a full send is cheaper here than a diff: stop diffing (and free the mirror)
+            log.info("delta=True: a full send (%.1f ms) beats a delta (%.1f ms) on this transport; sending full "
+                     "payloads from now on", self.costs.full * 1e3, min(t for t, _ in self.costs.delta) * 1e3)
+            self.mirror.release()
+            self.mirror = self.costs = None
         if self.mirror is not None or self.wire is not None or keys is not None:
-            return self._publish_encoded(tensors, targets, deadline, version, keys)
+            return self._publish_encoded(tensors, targets, deadline, version, keys, probe=choice == "probe")
         endpoint = self.endpoint
         t0 = time.perf_counter()
         buffer = endpoint.acquire(deadline)
@@ -230,10 +239,11 @@ class Sender:
 
     # -- encoded payloads (wsync_core.delta) ---------------------------------------------------
     def _publish_encoded(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
-                         version: int, keys: list[str] | None) -> int:
+                         version: int, keys: list[str] | None, probe: bool = False) -> int:
         """Publish ``version`` with a wire dtype, a key subset or deltas: each joined target gets
         what changed since the version it holds where that is known, kept and small enough, else
-        a full payload; targets at the same version share one payload."""
+        a full payload; targets at the same version share one payload. ``probe``: no diff, the
+        mirror is reset to ``tensors`` and everyone gets it in full (timed for ``Costs``)."""
         t0 = time.perf_counter()
         mirror = self.mirror
         joined = [w for w in targets if w in self._joined]
@@ -246,15 +256,15 @@ class Sender:
             payloads.append((joined, lambda buf: self._pack_full(buf, version, tensors, keys, previous)))
             t1 = t0
         else:
-            if mirror.version < 0:
+            if mirror.version < 0 or probe:
                 mirror.reset(tensors, version)
-                changed = self._numel
+                changed = None if probe else self._numel
             else:
                 changed = mirror.update(tensors, version, keys)
             self.version = version  # the mirror holds it now: a later failure leaves it unsent, not lost
             t1 = time.perf_counter()
-            report.diff_s = t1 - t0
-            report.changed = changed / self._numel if self._numel else 0.0
+            report.diff_s = 0.0 if probe else t1 - t0
+            report.changed = None if changed is None else changed / self._numel if self._numel else 0.0
             groups: dict[int | None, list[int]] = {}
             for w in joined:
                 groups.setdefault(self._holds.get(w), []).append(w)
@@ -267,6 +277,12 @@ class Sender:
                     payloads.append((ws, lambda buf: self._pack_mirror(buf, version)))
             if not payloads:
                 self._latest = None
+            if self.costs is not None and keys is None and version > 0 and joined:
+                kind = "probe" if probe else "delta" if len(report.delta_workers) == len(joined) else None
+                if kind is not None:
+                    self._timed[version] = kind
+                    while len(self._timed) > _MAX_PENDING:
+                        self._timed.popitem(last=False)
         published: list[tuple[torch.Tensor, Header, list[int]]] = []
         for ws, pack in payloads:
             buffer = self.endpoint.acquire(deadline)
@@ -442,6 +458,9 @@ class Sender:
                         if report.complete:
                             report.total_s = now - t0
                             report.missing = []
+                            kind = self._timed.pop(version, None)
+                            if kind is not None and self.costs is not None:
+                                self.costs.record(kind, report.total_s, report.diff_s)
                             self._notify(report)
 
     def _notify(self, report: SendReport) -> None:
