@@ -250,7 +250,7 @@ def test_full_when_cheaper_stays_exact(cluster, monkeypatch, margin, full_after)
     assert (c.sender._role.mirror is None) == full_after
     scramble(weights, 50, 1.0)
     c.sender.send(keys=["matrix"])
-    assert all(same(r.model["matrix"], weights["matrix"]) for r in c.receivers)
+    assert all(torch.equal(r.model["matrix"], weights["matrix"]) for r in c.receivers)
 
 
 def test_delta_always_never_probes(cluster, monkeypatch) -> None:
