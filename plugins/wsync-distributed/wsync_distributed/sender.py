@@ -78,12 +78,13 @@ class _Stream:
 @dataclass(eq=False)
 class _Job:
     """One delivery for one lane: the bytes of ``buffer`` (numbered ``seq``), with ``header`` when
-    known up front, else from ``stream`` once published."""
+    known up front, else from ``stream`` once published; only its first ``nbytes`` (-1: all)."""
 
     buffer: Buffer
     seq: int
     header: bytes | None = None
     stream: _Stream | None = None
+    nbytes: int = -1
 
 
 @dataclass(eq=False)
@@ -194,7 +195,7 @@ class DistributedSender(SenderBase):
             if stream is not None and self._streams_to(lane, stream):
                 stream.headers[w] = header
             else:
-                self._queue(lane, _Job(buffer, self.seqs[buffer.index], header=header))
+                self._queue(lane, _Job(buffer, self.seqs[buffer.index], header=header, nbytes=buffer.used))
         self.acquired = None
         self.cond.notify_all()
 
@@ -426,7 +427,8 @@ class DistributedSender(SenderBase):
             return
         stream = job.stream
         header = job.header if stream is None else self._header(stream, lane, wait=False)
-        ctl = wire.Control(lane.link, self.nbytes, self.cfg.bucket_bytes, seq=job.seq, first=self.first_bytes)
+        nbytes = self.nbytes if job.nbytes < 0 else job.nbytes  # a prefix publish moves only those bytes
+        ctl = wire.Control(lane.link, nbytes, self.cfg.bucket_bytes, seq=job.seq, first=self.first_bytes)
         store.queue_push(inbox, wire.encode_control(ctl, header or b""))
         deadline = Deadline(self.cfg.timeout)
         cuda = self.device.type == "cuda"
@@ -443,7 +445,7 @@ class DistributedSender(SenderBase):
                     lane.group = group
                 log.debug("distributed sender: link %s to worker %d ready in %.3f s", lane.link, lane.worker,
                           time.monotonic() - t0)
-            for start, end in wire.spans(self.nbytes, self.cfg.bucket_bytes, self.first_bytes):
+            for start, end in ctl.spans():
                 if stream is not None:
                     self._await(stream, end, deadline, lane)
                 works.append(wire.broadcast_part(lane.group, tensor[start:end]))
