@@ -273,7 +273,7 @@ class Costs:
 
 
 #: deltas timed before the probe
-_SAMPLES_BEFORE_PROBE = 2
+_SAMPLES_BEFORE_PROBE = 1
 #: a comparison faster than this (seconds) is never replaced by full sends
 _PROBE_DIFF_S = 0.005
 #: full sends replace deltas when this many times the probe's time is below the fastest delta's

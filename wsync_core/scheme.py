@@ -58,7 +58,7 @@ class WeightSyncScheme:
     sender then keeps one copy of the model (in the wire dtype) and the changed indices of the
     last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
     goes full (default 0.5; 0.1 on zero-copy transports). Whether diffing pays at all is
-    measured: after two whole-model deltas whose comparison took 5 ms or more, one send goes full
+    measured: after a whole-model delta whose comparison took 5 ms or more, one send goes full
     without a comparison (timed to its last ack); if 1.2 times that is below the fastest delta
     send, every later send is a full one (no comparison, the copy is freed: on shared memory a
     full send is one copy, while comparing reads the model twice). ``delta="always"``: deltas
