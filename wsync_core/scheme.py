@@ -57,12 +57,13 @@ class WeightSyncScheme:
     cheaper or its version is unknown or older than the last ``delta_bases`` versions; the
     sender then keeps one copy of the model (in the wire dtype) and the changed indices of the
     last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
-    goes full (default 0.5; 0.1 on zero-copy transports). Whether diffing pays at all is
-    measured: after a whole-model delta whose comparison took 5 ms or more, one send goes full
-    without a comparison (timed to its last ack); if 1.2 times that is below the fastest delta
-    send, every later send is a full one (no comparison, the copy is freed: on shared memory a
-    full send is one copy, while comparing reads the model twice). ``delta="always"``: deltas
-    every time, for the fewest bytes. ``wire_dtype`` (torch.bfloat16,
+    goes full (default 0.5; 0.1 on zero-copy transports). On a zero-copy transport (shm, mp,
+    inproc: a full send is one copy, while the comparison reads the model twice) whether diffing
+    pays is measured: after a whole-model delta whose comparison took 5 ms or more, one send goes
+    full without a comparison (the probe, timed to its last ack; the copy stays the base of later
+    deltas); if 1.2 times the probe's time is below the fastest delta send, every later send is a
+    full one (no comparison; the copy is freed). ``delta="always"``: deltas every time, for the
+    fewest bytes. ``wire_dtype`` (torch.bfloat16,
     torch.float16 or torch.float32): floating tensors travel in it and arrive as
     ``x.to(wire_dtype).to(model_dtype)``.
     """
