@@ -240,7 +240,7 @@ class Costs:
     sends took end to end (snapshot to last ack).
 
     The rule (``delta=True`` on a zero-copy transport; ``delta="always"`` and the transports that
-    copy have no ``Costs``: a network moves 30x fewer bytes, which pays for the comparison): deltas are sent while fewer
+    copy have no ``Costs``: there fewer bytes on the link pay for the comparison): deltas are sent while fewer
     than ``_SAMPLES_BEFORE_PROBE`` were timed or their comparison (``diff_s``) stayed under
     ``_PROBE_DIFF_S``; then one send goes full without a diff (the probe: the mirror is reset to
     the new version and copied out, so it stays the base of later deltas); afterwards a send goes
