@@ -214,11 +214,15 @@ def test_costs_probe_then_choose() -> None:
     """A slow-enough delta, then one probe, then full only when 1.2x the probe beats every delta."""
     from wsync_core.delta import Costs
 
-    fast = Costs()
+    assert Costs(1 << 20).next_send() == "delta"
+    small = Costs(1 << 20)
+    small.record("delta", 0.080, 0.060)
+    assert small.next_send() == "delta"  # a small model is never switched
+    fast = Costs(1 << 30)
     fast.record("delta", 0.010, 0.001)
     assert fast.next_send() == "delta"  # a comparison under 5 ms is never replaced
     for probe_s, expected in ((0.010, "full"), (0.070, "delta")):
-        c = Costs()
+        c = Costs(1 << 30)
         assert c.next_send() == "delta"
         c.record("delta", 0.080, 0.060)
         assert c.next_send() == "probe"
@@ -234,6 +238,7 @@ def test_full_when_cheaper_stays_exact(cluster, monkeypatch, margin, full_after)
     from wsync_core import delta as delta_module
 
     monkeypatch.setattr(delta_module, "_PROBE_DIFF_S", 0.0)
+    monkeypatch.setattr(delta_module, "_PROBE_MIN_BYTES", 0)
     monkeypatch.setattr(delta_module, "_MARGIN", margin)
     weights = model_of(6)
     c = cluster(n=2, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
@@ -255,6 +260,7 @@ def test_delta_always_never_probes(cluster, monkeypatch) -> None:
     from wsync_core import delta as delta_module
 
     monkeypatch.setattr(delta_module, "_PROBE_DIFF_S", 0.0)
+    monkeypatch.setattr(delta_module, "_PROBE_MIN_BYTES", 0)
     weights = model_of(7)
     c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
                 delta="always")

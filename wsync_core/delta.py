@@ -239,7 +239,7 @@ class Costs:
     """Decides, send by send, whether diffing pays on this sender's transport, from what whole-model
     sends took end to end (snapshot to last ack).
 
-    The rule (``delta=True`` on a zero-copy transport; ``delta="always"`` and the transports that
+    The rule (``delta=True`` on a zero-copy transport, a model of ``_PROBE_MIN_BYTES`` or more; ``delta="always"`` and the transports that
     copy have no ``Costs``: there fewer bytes on the link pay for the comparison): deltas are sent while fewer
     than ``_SAMPLES_BEFORE_PROBE`` were timed or their comparison (``diff_s``) stayed under
     ``_PROBE_DIFF_S``; then one send goes full without a diff (the probe: the mirror is reset to
@@ -248,7 +248,8 @@ class Costs:
     below the fastest delta's, else deltas go on. On shared memory a full send is one copy while
     the comparison alone reads the model twice, so there the full send wins."""
 
-    def __init__(self) -> None:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes  # a full payload's
         self.delta: deque[tuple[float, float]] = deque(maxlen=8)  # (total_s, diff_s)
         self.full: float | None = None
         self.probing = False
@@ -263,7 +264,7 @@ class Costs:
 
     def next_send(self) -> str:
         """"delta", "probe" (time one full send without a diff) or "full" (diffing does not pay)."""
-        if self.probing or len(self.delta) < _SAMPLES_BEFORE_PROBE:
+        if self.probing or self.nbytes < _PROBE_MIN_BYTES or len(self.delta) < _SAMPLES_BEFORE_PROBE:
             return "delta"
         if self.full is None:
             if min(d for _, d in self.delta) < _PROBE_DIFF_S:
@@ -275,6 +276,9 @@ class Costs:
 
 #: deltas timed before the probe
 _SAMPLES_BEFORE_PROBE = 1
+#: a model smaller than this (bytes of a full payload) is never switched: its sends cost little
+#: either way, and a busy host could make a few milliseconds look like a reason
+_PROBE_MIN_BYTES = 16 << 20
 #: a comparison faster than this (seconds) is never replaced by full sends
 _PROBE_DIFF_S = 0.005
 #: full sends replace deltas when this many times the probe's time is below the fastest delta's

@@ -59,7 +59,7 @@ class WeightSyncScheme:
     last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
     goes full (default 0.5; 0.1 on zero-copy transports). On a zero-copy transport (shm, mp,
     inproc: a full send is one copy, while the comparison reads the model twice) whether diffing
-    pays is measured: after a whole-model delta whose comparison took 5 ms or more, one send goes
+    pays is measured for a model of 16 MiB or more: after a whole-model delta whose comparison took 5 ms or more, one send goes
     full without a comparison (the probe, timed to its last ack; the copy stays the base of later
     deltas); if 1.2 times the probe's time is below the fastest delta send, every later send is a
     full one (no comparison; the copy is freed). ``delta="always"``: deltas every time, for the

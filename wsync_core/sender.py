@@ -116,7 +116,7 @@ class Sender:
         self.mirror = Mirror(self.layout, wire_dtype, delta_bases, device_of(tensors)) if delta else None
         #: delta=True on a zero-copy transport (a full send is one copy there): whether diffing pays,
         #: from the times of past sends (delta="always", or a transport that copies: deltas throughout)
-        self.costs = Costs() if delta is True and transport.capabilities.zero_copy else None
+        self.costs = Costs(self.wire_layout.nbytes) if delta is True and transport.capabilities.zero_copy else None
         self._timed: OrderedDict[int, str] = OrderedDict()  # version -> "delta" or "probe", until acked
         if delta_dense is None:  # on shared memory a full payload is one copy and is adopted as it is
             delta_dense = 0.1 if transport.capabilities.zero_copy else 0.5
