@@ -82,7 +82,7 @@ def test_bad_arguments_exit_2(capsys) -> None:
 
 
 def test_delta_cli_smoke(tmp_path, capsys) -> None:
-    """``wsync bench --delta``: full, delta and adapter rows, bytes and latencies, one worker process."""
+    """``wsync bench --delta``: full, delta, always and adapter rows, bytes and latencies, one worker process."""
     if not _installed("shm"):
         pytest.skip("the shm transport is not installed")
     out_json = tmp_path / "d.json"
@@ -90,9 +90,10 @@ def test_delta_cli_smoke(tmp_path, capsys) -> None:
                    "--repeat", "2", "--json", str(out_json)])
     assert rc == 0, capsys.readouterr().out
     rows = {r["case"]: r for r in json.loads(out_json.read_text())["rows"]}
-    assert set(rows) == {"full", "delta", "adapter"}
+    assert set(rows) == {"full", "delta", "always", "adapter"}
     assert all(r["error"] is None and len(r["latencies_s"]) == 2 for r in rows.values())
     assert rows["delta"]["bytes_median"] < rows["full"]["bytes_median"]
+    assert rows["always"]["bytes_median"] < rows["full"]["bytes_median"]
     assert rows["adapter"]["bytes_median"] < rows["full"]["bytes_median"]
     assert "adapter" in capsys.readouterr().out
     assert not multiprocessing.active_children()

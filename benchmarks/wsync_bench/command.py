@@ -20,7 +20,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_file", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--delta", action="store_true",
-                   help="time full, delta and adapter (keys=) sends of a bfloat16 model side by side")
+                   help="time full, delta, always (delta=\"always\") and adapter (keys=) sends of a bfloat16 model side by side")
     p.add_argument("--changed", type=float, default=0.01, help="with --delta: share of elements changed per step")
 
 

@@ -1,11 +1,13 @@
 """``wsync bench --delta``: a delta send side by side with a full one, on the same model and steps.
 
 The model: ``nbytes`` of bfloat16 in square layers (a frozen base) plus a small adapter (two
-thin matrices per layer). Three cases per transport, each timed over ``repeat`` sends after
+thin matrices per layer). Four cases per transport, each timed over ``repeat`` sends after
 ``warmup`` (``send()`` with sync=True, from the snapshot to the last worker's ack):
 
 - ``full``: delta=False, 1% of the elements changed per step;
-- ``delta``: delta=True, the same steps;
+- ``delta``: delta=True, the same steps (on a zero-copy transport it measures whether diffing
+  pays and may switch to full sends: see ``WeightSyncScheme``);
+- ``always``: delta="always", the same steps: deltas every time, the fewest bytes;
 - ``adapter``: delta=True, ``send(keys=<adapter>)`` after a step that changes the adapter only
   (compare with ``full``: what a full send of the same model costs).
 
@@ -26,7 +28,7 @@ from torch import nn
 
 __all__ = ["DeltaRow", "build_adapter_model", "run_delta", "format_delta_table", "CASES"]
 
-CASES = ("full", "delta", "adapter")
+CASES = ("full", "delta", "always", "adapter")
 _LAYERS = 8
 _RANK = 16
 
@@ -139,7 +141,7 @@ def _measure(transport: str, case: str, nbytes: int, workers: list[Any], repeat:
     row = DeltaRow(transport, case, nbytes, len(workers))
     model = build_adapter_model(nbytes)
     keys = adapter_keys(model)
-    scheme = WeightSyncScheme(transport, delta=case != "full", timeout=120.0)
+    scheme = WeightSyncScheme(transport, delta={"full": False, "always": "always"}.get(case, True), timeout=120.0)
     scheme.init_on_sender(model=model, num_workers=len(workers))
     stop.clear()
     for jobs in workers:
