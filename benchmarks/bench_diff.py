@@ -52,7 +52,7 @@ def _steps(mirror: torch.Tensor, src: torch.Tensor, times: dict[str, float]) -> 
         t4 = clock()
         inner = torch.ne(old.view(torch.int16), new.view(torch.int16)).nonzero().view(-1)
         t5 = clock()
-        words.index_select(0, inner // 4).mul_(4).add_(inner % 4).add_(a)
+        words.index_select(0, inner >> 2).mul_(4).add_(inner & 3).add_(a)
         t6 = clock()
         for name, d in (("compare words (ne -> mask)", t1 - t0), ("changed words (nonzero)", t2 - t1),
                         ("gather old+new words", t3 - t2), ("mirror: copy changed words", t4 - t3),

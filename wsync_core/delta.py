@@ -356,7 +356,8 @@ def _changed(mirror: torch.Tensor, src: torch.Tensor, scratch: _Scratch) -> torc
     inner = torch.ne(old.view(_BITS[size]), new.view(_BITS[size])).nonzero().view(-1)
     if inner.numel() == words.numel() * ratio:  # every element of each changed word
         return (words.unsqueeze(1) * ratio + torch.arange(ratio, device=words.device)).view(-1)
-    return words.index_select(0, inner // ratio).mul_(ratio).add_(inner % ratio)
+    shift = ratio.bit_length() - 1  # ratio is 2, 4 or 8: shifts and masks, not integer division
+    return words.index_select(0, inner >> shift).mul_(ratio).add_(inner & (ratio - 1))
 
 
 # -- the receiver's side ------------------------------------------------------------------------
