@@ -239,14 +239,15 @@ class Costs:
     """Decides, send by send, whether diffing pays on this sender's transport, from what whole-model
     sends took end to end (snapshot to last ack).
 
-    The rule (``delta=True`` on a zero-copy transport, a model of ``_PROBE_MIN_BYTES`` or more; ``delta="always"`` and the transports that
-    copy have no ``Costs``: there fewer bytes on the link pay for the comparison): deltas are sent while fewer
-    than ``_SAMPLES_BEFORE_PROBE`` were timed or their comparison (``diff_s``) stayed under
-    ``_PROBE_DIFF_S``; then one send goes full without a diff (the probe: the mirror is reset to
-    the new version and copied out, so it stays the base of later deltas); afterwards a send goes
-    full without a diff (and the mirror is dropped) when ``_MARGIN`` times the probe's time is
-    below the fastest delta's, else deltas go on. On shared memory a full send is one copy while
-    the comparison alone reads the model twice, so there the full send wins."""
+    The rule (``delta=True`` on a zero-copy transport; ``delta="always"`` and the transports that
+    copy have no ``Costs``: there fewer bytes on the link pay for the comparison): deltas are sent
+    while the model is under ``_PROBE_MIN_BYTES``, fewer than ``_SAMPLES_BEFORE_PROBE`` deltas were
+    timed, or their comparison (``diff_s``) stayed under ``_PROBE_DIFF_S``; then one send goes full
+    without a diff (the probe: the mirror is reset to the new version and copied out, so it stays
+    the base of later deltas); afterwards every send goes full without a diff (the sender drops
+    the mirror) when ``_MARGIN`` times the probe's time is below the fastest delta's, else deltas
+    go on. On shared memory a full send is one copy while the comparison alone reads the model
+    twice, so there the full send wins."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes  # a full payload's

@@ -59,11 +59,11 @@ class WeightSyncScheme:
     last ``delta_bases`` versions. ``delta_dense``: a delta over this share of a full payload
     goes full (default 0.5; 0.1 on zero-copy transports). On a zero-copy transport (shm, mp,
     inproc: a full send is one copy, while the comparison reads the model twice) whether diffing
-    pays is measured for a model of 16 MiB or more: after a whole-model delta whose comparison took 5 ms or more, one send goes
-    full without a comparison (the probe, timed to its last ack; the copy stays the base of later
-    deltas); if 1.2 times the probe's time is below the fastest delta send, every later send is a
-    full one (no comparison; the copy is freed). ``delta="always"``: deltas every time, for the
-    fewest bytes. ``wire_dtype`` (torch.bfloat16,
+    pays is measured for a model of 16 MiB or more: after a whole-model delta whose comparison
+    took 5 ms or more, one send goes full without a comparison (the probe, timed to its last
+    ack; the copy stays the base of later deltas); if 1.2 times the probe's time is below the
+    fastest delta send, every later send is a full one (no comparison; the copy is freed).
+    ``delta="always"``: deltas every time, for the fewest bytes. ``wire_dtype`` (torch.bfloat16,
     torch.float16 or torch.float32): floating tensors travel in it and arrive as
     ``x.to(wire_dtype).to(model_dtype)``.
     """
@@ -91,7 +91,8 @@ class WeightSyncScheme:
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
         self._config = {"strategy": check_strategy(strategy), "sync": bool(sync),
-                        "timeout": float(timeout), "model_id": None, "delta": delta if delta == "always" else bool(delta),
+                        "timeout": float(timeout), "model_id": None,
+                        "delta": delta if delta == "always" else bool(delta),
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
         self._reset()
 
