@@ -18,7 +18,7 @@ import os
 import zmq
 from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError
 
-from .sockets import close_all, configure, log, monitor_events, wrap
+from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, DATA, HELLO, NEWER, PROBE, WANT, Hello, decode_answer, decode_delivery,
                    header_limit, payload_tensor)
 
@@ -164,16 +164,8 @@ class ZmqReceiver(ReceiverBase):
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        frames = [first]
-        extra = 0
-        more = first.more
-        while more:
-            part = sock.recv(copy=False)
-            more = part.more
-            if len(frames) < 3:
-                frames.append(part)
-            else:
-                extra += 1
+        rest, extra = rest_of(sock, first, 2)
+        frames = [first, *rest]
         if len(frames) == 2 and bytes(memoryview(first)) in (CURRENT, NEWER):
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:

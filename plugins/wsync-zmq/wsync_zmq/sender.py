@@ -19,7 +19,7 @@ import zmq.auth.thread
 from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
 from wsync_core.forked import close_inherited
 
-from .sockets import close_all, configure, log, monitor_events, wrap
+from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer
 
 __all__ = ["ZmqSender"]
@@ -212,18 +212,9 @@ class ZmqSender(SenderBase):
             except zmq.Again:
                 return
             rid, fd = rid_frame.bytes, _source_fd(rid_frame)
-            frames: list[bytes] = []
-            extra = 0
-            more = rid_frame.more
-            while more:
-                part = sock.recv(copy=False)
-                more = part.more
-                if len(frames) < 3:
-                    frames.append(part.bytes)
-                else:
-                    extra += 1
+            frames, extra = rest_of(sock, rid_frame, 3)
             try:
-                msg = decode_peer(frames, extra)
+                msg = decode_peer([f.bytes for f in frames], extra)
             except TransportError as exc:
                 log.warning("zmq sender ignored a message from peer %s: %s", rid.hex(), exc)
                 continue
