@@ -114,6 +114,8 @@ class ZmqSender(SenderBase):
         _live.add(self)
 
     # -- sending ------------------------------------------------------------------------------
+    prefix_publish = True  # a delivery sends ``buffer.payload``, the first ``used`` bytes
+
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         """Each worker gets ``buffer`` when it asks; until then it waits, held, replacing an older one."""
         self._read_peers()  # the wants that came in since the last poll
