@@ -164,8 +164,10 @@ class DistributedReceiver(ReceiverBase):
         wait = max(1.0, self.cfg.heartbeat_timeout)
         try:
             store.set_timeout(timedelta(seconds=wait))
-            evicted = store.check([wire.evict_key(inbox)])
-            store.set_timeout(wire.POP_TIMEOUT)
+            try:
+                evicted = store.check([wire.evict_key(inbox)])
+            finally:
+                store.set_timeout(wire.POP_TIMEOUT)
         except RuntimeError as exc:
             log.warning("%s: cannot ask the sender whether it still serves this worker: %s; joining again",
                         self.what, wire.brief(exc))
