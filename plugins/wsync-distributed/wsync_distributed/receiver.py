@@ -7,9 +7,10 @@ resumes, never the ones that arrived meanwhile.
 
 A heartbeat thread bumps this worker's counter in the store and reads whether the sender gave
 this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
-reachable again (a link restored, a broadcast that failed) it gets the newest version. A sender
-that dies makes ``recv`` raise TransportError (its store is gone); one that shuts down makes it
-return None at once.
+reachable again (a link restored, a broadcast that failed) it gets the newest version; what its
+old link still brings meanwhile is dropped (each delivery first checks the inbox's ``evict`` key,
+which the sender sets before it reports the worker gone). A sender that dies makes ``recv``
+raise TransportError (its store is gone); one that shuts down makes it return None at once.
 
 Deliveries are adoptable: the core makes the model's tensors views of the buffer instead of
 copying it, and releases it once the model moved on. A buffer the core holds is never written;
