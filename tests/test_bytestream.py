@@ -150,7 +150,7 @@ class PipeTransport(Transport):
     """The byte-stream base over descriptors the base knows nothing about (no socket objects)."""
 
     name = "pipes"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=False)
 
     def __init__(self, *, channel: str = "pipes") -> None:

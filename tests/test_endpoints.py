@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from wsync_core import (Acked, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
+from wsync_core import (Acked, Buffer, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
                         SenderContext, TransportError, WorkerTimeoutError)
 from wsync_core.protocol import MAX_HEADER_BYTES
 
@@ -21,6 +21,7 @@ class Sender(SenderBase):
         super().__init__("test sender", SenderContext(n, LAYOUT, "m", torch.device("cpu")), **kw)
         self.started = self.stopped = 0
         self.sent: list[tuple[int, bytes, list[int]]] = []
+        self.used: list[int] = []
 
     def start(self, deadline: Deadline) -> None:
         self.started += 1
@@ -30,6 +31,7 @@ class Sender(SenderBase):
 
     def deliver(self, buffer, header, workers) -> None:
         self.sent.append((buffer.index, header, workers))
+        self.used.append(buffer.used)
         for w in workers:
             self.hold(buffer, w)
 
@@ -102,20 +104,28 @@ def test_poll_waits_for_an_event_from_another_thread_and_close_wakes_it() -> Non
     assert time.monotonic() - t0 < 20
 
 
-def test_buffer_pool_by_identity_hold_and_latest() -> None:
+def test_buffer_pool_hands_out_buffers_hold_and_latest() -> None:
     s = Sender(n=1, max_buffers=2)
     s.open(Deadline(1))
     a = s.acquire(Deadline(0))
+    assert isinstance(a, Buffer) and a.index == 0 and a.tensor.numel() == LAYOUT.nbytes == a.used
     assert s.acquire(Deadline(0)) is a  # given up (no publish): handed out again
     s.publish(a, b"h1", [0])
     b = s.acquire(Deadline(0))
     assert b is not a  # never the latest
     with pytest.raises(TransportError, match="did not return"):
         s.publish(torch.empty(LAYOUT.nbytes, dtype=torch.uint8), b"h", [0])
+    with pytest.raises(TransportError, match="did not return"):
+        s.publish(Buffer(torch.empty(LAYOUT.nbytes, dtype=torch.uint8), 1), b"h", [0])  # not this pool's
     with pytest.raises(TransportError, match="exceeds the limit"):
         s.publish(b, b"x" * (MAX_HEADER_BYTES + 1), [0])
+    b.used = LAYOUT.nbytes + 1
+    with pytest.raises(TransportError, match="used="):
+        s.publish(b, b"h", [0])
+    b.used = 3  # the core filled a prefix: deliver() sees it, and the payload is those bytes
     s.publish(b, b"h2", [0])
-    assert s.sent == [(0, b"h1", [0]), (1, b"h2", [0])]
+    assert s.sent == [(0, b"h1", [0]), (1, b"h2", [0])] and s.used == [LAYOUT.nbytes, 3]
+    assert b.payload.numel() == 3 and b.payload.data_ptr() == b.tensor.data_ptr()
     with pytest.raises(WorkerTimeoutError) as info:  # a is held by worker 0, b is the latest
         s.acquire(Deadline(0.05))
     assert info.value.workers == [0]

@@ -36,7 +36,7 @@ from wsync_core.inproc import InprocTransport
 
 class OldTransport(InprocTransport):
     name = "old"
-    interface = 0
+    interface = 1  # written before acquire() returned a Buffer
 
 
 @hookimpl
@@ -120,7 +120,7 @@ def test_plugin_for_another_interface_version_is_refused_naming_both(site):
     infos = {i["name"]: i for i in json.loads(out.stdout)}
     assert "old" not in [i["name"] for i in infos.values() if not i["error"]]
     error = infos["old"]["error"]
-    assert "implements transport interface 0" in error and "implements interface 1" in error, error
+    assert "implements transport interface 1" in error and "implements interface 2" in error, error
 
 
 def test_plugins_add_commands_and_unknown_ones_say_how_to_get_them(site):

@@ -178,7 +178,7 @@ def test_atomic_send_mismatched_weights_sends_nothing(cluster):
 
 def test_atomic_damaged_payload_is_refused(cluster):
     """With checksums on, a corrupted byte raises TransportError on both sides; the model is untouched."""
-    from wsync_core import inproc
+    from wsync_core import Buffer, inproc
 
     c = cluster(n=1, checksum=True)
     r = c.receivers[0]
@@ -186,8 +186,8 @@ def test_atomic_damaged_payload_is_refused(cluster):
     original = inproc._Sender.publish
 
     def corrupt(self, buffer, header, workers):
-        damaged = buffer.clone()
-        damaged[0] ^= 0xFF
+        damaged = Buffer(buffer.tensor.clone(), buffer.index, buffer.used)
+        damaged.tensor[0] ^= 0xFF
         original(self, damaged, header, workers)
 
     inproc._Sender.publish = corrupt

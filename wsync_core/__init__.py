@@ -11,7 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .deadline import Deadline
-from .endpoints import Buffer, ReceiverBase, SenderBase
+from .endpoints import ReceiverBase, SenderBase
 from .errors import (
     SchemaMismatchError,
     StateError,
@@ -30,6 +30,7 @@ from .stream import StreamReceiver, StreamSender
 from .scheme import SendHandle, WeightSyncScheme
 from .transport import (
     Acked,
+    Buffer,
     INTERFACE_VERSION,
     Capabilities,
     Delivery,
@@ -67,6 +68,7 @@ __all__ = [
     "Transport",
     "INTERFACE_VERSION",
     "Capabilities",
+    "Buffer",
     "SenderContext",
     "ReceiverContext",
     "SenderEndpoint",
@@ -85,7 +87,6 @@ __all__ = [
     # the bases a transport may build on (docs/writing-a-transport.md)
     "SenderBase",
     "ReceiverBase",
-    "Buffer",
     "StreamSender",
     "StreamReceiver",
 ]

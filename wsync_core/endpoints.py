@@ -9,9 +9,9 @@ interface the core calls is unchanged). They carry:
 - one condition (``self.cond``) guarding the endpoint's state, with ``wait_until`` that waits a
   slice at a time (no ``OverflowError`` for ``math.inf``) and looks once when the deadline passed;
 - for senders: an event queue (``emit`` from any thread, ``poll`` returns them) and a pool of
-  payload buffers: ``acquire`` hands one out, ``publish`` finds it by identity and gives the
-  plugin's ``deliver`` a ``Buffer`` with its index; ``hold``/``let_go`` keep a buffer out of
-  ``acquire`` while a worker may still read it;
+  payload buffers (``Buffer``; their ``index`` is their place in ``buffers``): ``acquire`` hands one out,
+  ``publish`` checks it is this pool's and gives it to the plugin's ``deliver``; ``hold``/``let_go``
+  keep a buffer out of ``acquire`` while a worker may still read it;
 - for receivers: a mailbox that keeps only the newest delivery (``put`` drops an older one not
   yet taken, releasing it), and ``fail`` to make ``recv`` raise once the mailbox is empty.
 """
@@ -21,16 +21,15 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from .deadline import Deadline
 from .errors import TransportError, WorkerTimeoutError
 from .protocol import MAX_HEADER_BYTES
-from .transport import Delivery, Event, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint
+from .transport import Buffer, Delivery, Event, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint
 
-__all__ = ["Buffer", "EndpointBase", "SenderBase", "ReceiverBase"]
+__all__ = ["EndpointBase", "SenderBase", "ReceiverBase"]
 
 #: the longest single wait; a wait for longer is cut into slices of this many seconds
 _SLICE_S = 1.0
@@ -99,49 +98,28 @@ class EndpointBase:
         return ready()
 
 
-@dataclass(eq=False)
-class Buffer:
-    """A sender's payload buffer: ``tensor`` (``layout.nbytes`` uint8) and its ``index`` in the pool."""
-
-    index: int
-    tensor: torch.Tensor
-    #: worker -> how many times it holds the buffer (queued for it, or being read by it)
-    holders: Counter = field(default_factory=Counter)
-    #: the bytes of ``tensor`` its last publish delivers (its first ``used`` bytes; -1: all)
-    used: int = -1
-
-    @property
-    def payload(self) -> torch.Tensor:
-        """What a publish of this buffer delivers: its first ``used`` bytes."""
-        return self.tensor if self.used < 0 else self.tensor[:self.used]
-
-
-def _prefix_of(view: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether ``view`` is ``tensor[:n]`` for some n."""
-    return (view.dim() == 1 and view.dtype == tensor.dtype and view.numel() <= tensor.numel()
-            and view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-            and view.storage_offset() == tensor.storage_offset() and view.is_contiguous())
-
-
 class SenderBase(EndpointBase, SenderEndpoint):
     """A sender endpoint with events, a closed guard and a buffer pool; the plugin implements ``deliver``.
 
     ``max_buffers`` bounds the pool (default ``2 * num_workers + 2``: one buffer being written and
-    one waiting per worker, the latest, and the one being filled).
+    one waiting per worker, the latest, and the one being filled). A plugin whose ``deliver`` sends
+    only ``buffer.payload`` (the first ``used`` bytes) sets ``prefix_publish = True``.
     """
 
     def __init__(self, what: str, ctx: SenderContext, max_buffers: int | None = None) -> None:
         super().__init__(what)
         self.ctx = ctx
         self.max_buffers = max_buffers or 2 * ctx.num_workers + 2
-        self.buffers: list[Buffer] = []
+        self.buffers: list[Buffer] = []  # the pool; buffers[i].index == i
         self.latest: Buffer | None = None
+        self._holders: list[Counter] = []  # per buffer index: worker -> how many times it holds that buffer
         self._events: list[Event] = []
 
     # -- what the plugin implements -----------------------------------------------------------
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
-        """Move ``buffer`` and ``header`` to ``workers`` without waiting for them (called with
-        ``self.cond`` held); ``hold`` the buffer for each worker that may still read it."""
+        """Move ``buffer`` (its first ``used`` bytes if the plugin sets ``prefix_publish``, else all of
+        it) and ``header`` to ``workers`` without waiting for them (called with ``self.cond`` held);
+        ``hold`` the buffer for each worker that may still read it."""
         raise NotImplementedError(f"{type(self).__qualname__} must implement deliver()")
 
     def allocate(self, index: int) -> torch.Tensor:
@@ -158,18 +136,32 @@ class SenderBase(EndpointBase, SenderEndpoint):
     def hold(self, buffer: Buffer, worker: int) -> None:
         """Keep ``buffer`` out of ``acquire`` until ``let_go(buffer, worker)`` (may nest)."""
         with self.cond:
-            buffer.holders[worker] += 1
+            holders = self._holders_of(buffer)
+            if holders is not None:
+                holders[worker] += 1
 
     def let_go(self, buffer: Buffer, worker: int) -> None:
         """Undo one ``hold``; a buffer nobody holds may be handed out again."""
         with self.cond:
-            buffer.holders[worker] -= 1
-            if buffer.holders[worker] <= 0:
-                del buffer.holders[worker]
+            holders = self._holders_of(buffer)
+            if holders is None:  # the pool was freed (closed) meanwhile
+                return
+            holders[worker] -= 1
+            if holders[worker] <= 0:
+                del holders[worker]
                 self.cond.notify_all()
 
+    def owns(self, buffer: object) -> bool:
+        """Whether ``buffer`` is a ``Buffer`` of this pool (``acquire`` handed it out since ``open``)."""
+        index = buffer.index if isinstance(buffer, Buffer) else -1
+        return 0 <= index < len(self.buffers) and self.buffers[index] is buffer
+
+    def _holders_of(self, buffer: Buffer) -> Counter | None:
+        """Who holds ``buffer``; None if it is not in the pool (any more)."""
+        return self._holders[buffer.index] if self.owns(buffer) else None
+
     # -- SenderEndpoint --------------------------------------------------------------------------
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         """A buffer neither published last nor held; a new one while the pool has room.
 
         Raises WorkerTimeoutError naming the holders if none frees up by the deadline, TransportError
@@ -178,45 +170,41 @@ class SenderBase(EndpointBase, SenderEndpoint):
         with self.cond:
             self.check_open()
             def free() -> Buffer | None:
-                return next((b for b in self.buffers if b is not self.latest and not b.holders), None)
+                return next((b for b in self.buffers if b is not self.latest and not self._holders[b.index]), None)
 
             if free() is None and len(self.buffers) < self.max_buffers:
+                index = len(self.buffers)
                 try:
-                    self.buffers.append(Buffer(len(self.buffers), self.allocate(len(self.buffers))))
+                    tensor = self.allocate(index)
                 except (OSError, RuntimeError) as exc:
                     raise TransportError(f"{self.what}: cannot allocate a buffer of "
                                          f"{self.ctx.layout.nbytes} bytes: {exc}") from None
+                self.buffers.append(Buffer(tensor, index))
+                self._holders.append(Counter())
             if self.wait_until(lambda: free() is not None, deadline):
-                return free().tensor
+                return free()
             self.check_open()
-            holders = sorted({w for b in self.buffers for w in b.holders})
+            holders = sorted({w for h in self._holders for w in h})
             raise WorkerTimeoutError(f"{self.what}: all {len(self.buffers)} buffers are still held by workers "
                                      f"{holders} after {deadline.timeout:g} s", holders)
 
-    #: publish() takes the first bytes of a buffer (``buffer[:n]``) and delivers only those
-    prefix_publish = True
-
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        """Find ``buffer`` (or the buffer whose first bytes it is) and ``deliver`` it; raises
-        TransportError for a buffer this pool did not hand out, a header over MAX_HEADER_BYTES,
-        or a closed endpoint."""
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        """Make ``buffer`` the latest and ``deliver`` it; raises TransportError for a buffer this pool
+        did not hand out, a ``used`` outside the buffer, a header over MAX_HEADER_BYTES, or a closed
+        endpoint."""
         self.check_open()
-        found = next((b for b in self.buffers if b.tensor is buffer), None)
-        if found is not None:
-            found.used = -1
-        else:
-            found = next((b for b in self.buffers if _prefix_of(buffer, b.tensor)), None)
-            if found is not None:
-                found.used = buffer.numel()
-        if found is None:
+        if not self.owns(buffer):
             raise TransportError(f"{self.what}: publish() got a buffer that acquire() did not return")
+        if not 0 <= buffer.used <= buffer.tensor.numel():
+            raise TransportError(f"{self.what}: publish() got a buffer with used={buffer.used}, outside "
+                                 f"[0, {buffer.tensor.numel()}]")
         if len(header) > MAX_HEADER_BYTES:
             raise TransportError(f"{self.what}: a header of {len(header)} bytes exceeds the limit of "
                                  f"{MAX_HEADER_BYTES} bytes")
         with self.cond:
             self.check_open()
-            self.latest = found
-            self.deliver(found, bytes(header), list(workers))
+            self.latest = buffer
+            self.deliver(buffer, bytes(header), list(workers))
 
     def poll(self, deadline: Deadline) -> list[Event]:
         """The events emitted since the last call, waiting for one until the deadline; TransportError if closed."""
@@ -233,6 +221,7 @@ class SenderBase(EndpointBase, SenderEndpoint):
             self._events.clear()
             self.latest = None
             self.buffers = []
+            self._holders = []
 
 
 class ReceiverBase(EndpointBase, ReceiverEndpoint):

@@ -20,6 +20,7 @@ from .errors import TransportError
 from .hookspecs import hookimpl
 from .transport import (
     Acked,
+    Buffer,
     Capabilities,
     Delivery,
     Event,
@@ -95,13 +96,14 @@ class _Sender(SenderEndpoint):
             channel.sender = True
         self.channel = channel
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
-        return torch.empty(self.nbytes, dtype=torch.uint8)
+    def acquire(self, deadline: Deadline) -> Buffer:
+        return Buffer(torch.empty(self.nbytes, dtype=torch.uint8))  # receivers keep what they got: always new
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        payload = buffer.payload
         with self.channel.cond:
             for w in workers:
-                self.channel.mailbox[w] = (header, buffer)
+                self.channel.mailbox[w] = (header, payload)
             self.channel.cond.notify_all()
 
     def poll(self, deadline: Deadline) -> list[Event]:
@@ -176,7 +178,7 @@ class InprocTransport(Transport):
     """Receivers are threads of this process; ``channel`` names the meeting point (default: unique)."""
 
     name = "inproc"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=False, zero_copy=True)
 
     def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:

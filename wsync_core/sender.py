@@ -23,7 +23,7 @@ from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedE
 from .layout import Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
-from .transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
+from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
 from .weights import Weights, device_of, flatten, meta_keys
 
 __all__ = ["Sender", "SendHandle"]
@@ -100,7 +100,7 @@ class Sender:
         self.closing = False
         self.last_report: SendReport | None = None
         self.listeners: list[Callable[[SendReport], None]] = []
-        self._latest: tuple[torch.Tensor, Header] | None = None
+        self._latest: tuple[Buffer, Header] | None = None  # what a joiner gets: the buffer as published
         self._acked = {w: -1 for w in range(num_workers)}
         self._joined: set[int] = set()
         self._left: set[int] = set()
@@ -205,15 +205,17 @@ class Sender:
         endpoint = self.endpoint
         t0 = time.perf_counter()
         buffer = endpoint.acquire(deadline)
+        tensor = buffer.tensor
         step = endpoint.stream_bytes
         if step > 0 and not self.transport.checksum:  # a checksum needs the whole payload first
             joined = [w for w in targets if w in self._joined]
-            self.layout.pack_stream(tensors, buffer, step, lambda n: endpoint.ready(buffer, n, joined))
+            self.layout.pack_stream(tensors, tensor, step, lambda n: endpoint.ready(buffer, n, joined))
         else:
-            self.layout.pack(tensors, buffer)
-        if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
-        sums = checksum(buffer) if self.transport.checksum else None
+            self.layout.pack(tensors, tensor)
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        buffer.used = tensor.numel()
+        sums = checksum(tensor) if self.transport.checksum else None
         header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, sums)
         t1 = time.perf_counter()
         self.version = version
@@ -242,7 +244,7 @@ class Sender:
         if mirror is None:  # a wire dtype or a key subset, without delta: a full payload
             if keys is not None and self._latest is None:
                 raise StateError("send(keys=...) before version 0 was published")
-            previous = self._latest[0] if keys is not None else None
+            previous = self._latest[0].tensor if keys is not None else None
             payloads.append((joined, lambda buf: self._pack_full(buf, version, tensors, keys, previous)))
             t1 = t0
         else:
@@ -267,15 +269,15 @@ class Sender:
                     payloads.append((ws, lambda buf: self._pack_mirror(buf, version)))
             if not payloads:
                 self._latest = None
-        published: list[tuple[torch.Tensor, Header, list[int]]] = []
+        published: list[tuple[Buffer, Header, list[int]]] = []
         for ws, pack in payloads:
             buffer = self.endpoint.acquire(deadline)
-            header, used = pack(buffer)
-            if buffer.is_cuda:
-                torch.cuda.current_stream(buffer.device).synchronize()
+            header, used = pack(buffer.tensor)
+            if buffer.tensor.is_cuda:
+                torch.cuda.current_stream(buffer.tensor.device).synchronize()
             published.append((self._publish_to(buffer, used, header, ws), header, ws))
             for w in ws:
-                report.worker_nbytes[w] = used if self._moves_prefix() else buffer.numel()
+                report.worker_nbytes[w] = used if self._moves_prefix() else buffer.tensor.numel()
         t2 = time.perf_counter()
         report.snapshot_s = t2 - t1
         report.nbytes = max(report.worker_nbytes.values(), default=0)
@@ -322,11 +324,12 @@ class Sender:
         encoded = self.mirror.encode(changes, buffer)
         return self._header(version, buffer, encoded.nbytes, encoded.table, base), encoded.nbytes
 
-    def _publish_to(self, buffer: torch.Tensor, used: int, header: Header, workers: list[int]) -> torch.Tensor:
-        """Publish the first ``used`` bytes of ``buffer`` (all of it unless the transport takes a
-        prefix) to ``workers``; a worker's first delivery carries the layout. Returns what was published."""
-        if used < buffer.numel() and getattr(self.endpoint, "prefix_publish", False):
-            buffer = buffer[:max(used, 1)]  # never an empty view: some transports find buffers by address
+    def _publish_to(self, buffer: Buffer, used: int, header: Header, workers: list[int]) -> Buffer:
+        """Publish the first ``used`` bytes of ``buffer`` (all of it unless the endpoint has
+        ``prefix_publish``) to ``workers``; a worker's first delivery carries the layout. Returns ``buffer``."""
+        whole = buffer.tensor.numel()
+        # never an empty payload: a 0-byte tensor is a corner no transport needs to handle
+        buffer.used = max(used, 1) if used < whole and getattr(self.endpoint, "prefix_publish", False) else whole
         known = [w for w in workers if w in self._layout_sent]
         fresh = [w for w in workers if w not in self._layout_sent]
         if known:
@@ -349,9 +352,9 @@ class Sender:
         except WorkerTimeoutError as exc:
             log.warning("workers %s get version %d at the next send: %s", workers, self.version, exc)
             return
-        header, used = self._pack_mirror(buffer, self.version)
-        if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
+        header, used = self._pack_mirror(buffer.tensor, self.version)
+        if buffer.tensor.is_cuda:
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self._latest = (self._publish_to(buffer, used, header, workers), header)
 
     def _record(self, report: SendReport, t0: float) -> None:

@@ -45,10 +45,10 @@ from typing import Any, Protocol
 import torch
 
 from .deadline import Deadline
-from .endpoints import Buffer, ReceiverBase, SenderBase
+from .endpoints import ReceiverBase, SenderBase
 from .errors import TransportError
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from .transport import Acked, Delivery, Joined, Left, ReceiverContext, SenderContext, zero_copy_for
+from .transport import Acked, Buffer, Delivery, Joined, Left, ReceiverContext, SenderContext, zero_copy_for
 
 __all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
 
@@ -353,6 +353,8 @@ class StreamSender(_Loop, SenderBase):
     ``authkey``: require the HMAC handshake with this key. ``heartbeat``: seconds of silence after
     which a worker counts as gone.
     """
+
+    prefix_publish = True  # a delivery frames ``buffer.payload``, the first ``used`` bytes
 
     def __init__(self, what: str, ctx: SenderContext, *, authkey: bytes | None = None,
                  heartbeat: float = 10.0, max_buffers: int | None = None) -> None:

@@ -7,8 +7,9 @@ checksums and applying weights. A transport moves two kinds of things:
   core writes) and a flat uint8 ``payload`` of ``layout.nbytes`` bytes;
 - *acks*, receiver -> sender: opaque bytes (small JSON the core writes).
 
-The sender's core asks the transport for a buffer (``acquire``), writes the snapshot into it,
-then ``publish``-es it to some workers. A zero-copy transport returns a buffer that receivers
+The sender's core asks the transport for a ``Buffer`` (``acquire``), writes the snapshot into its
+``tensor``, sets how many bytes it filled (``used``), then ``publish``-es that same ``Buffer`` to
+some workers. A zero-copy transport returns a buffer that receivers
 can read directly (a shared-memory slot, a CUDA IPC block); a network transport returns a
 staging buffer it then sends. Either way the core copies the trainer's tensors exactly once.
 
@@ -41,6 +42,7 @@ from .deadline import Deadline
 from .layout import Layout
 
 __all__ = [
+    "Buffer",
     "Capabilities",
     "SenderContext",
     "ReceiverContext",
@@ -62,10 +64,38 @@ __all__ = [
 #: below this payload size, copying into a model costs less than mapping memory for it to adopt
 ZERO_COPY_MIN_BYTES = 1 << 20
 #: the version of the transport interface (this module) that this wsync-core implements. A
-#: transport class says which version it was written for (``interface = 1``); any change to what
+#: transport class says which version it was written for (``interface = 2``); any change to what
 #: the core calls, or to what it expects back, raises it, and a plugin written for another
-#: version is refused when it loads, with both versions named
-INTERFACE_VERSION = 1
+#: version is refused when it loads, with both versions named. 2: ``acquire`` returns a
+#: ``Buffer`` and ``publish`` takes it back (1: a bare tensor, found again by identity)
+INTERFACE_VERSION = 2
+
+
+@dataclass(eq=False)
+class Buffer:
+    """A payload buffer a sender endpoint hands out (``acquire``) and takes back (``publish``).
+
+    ``tensor`` is a contiguous uint8 tensor of ``layout.nbytes`` bytes; ``index`` is the
+    transport's own name for it (a slot number), so ``publish`` needs no search; ``used`` is the
+    number of bytes the core filled, set before each ``publish``: the delivery is ``tensor``'s
+    first ``used`` bytes. The core sets ``used`` below ``layout.nbytes`` only for an endpoint
+    with ``prefix_publish``; a transport makes one ``Buffer`` per buffer it owns and hands the
+    same object out again (no allocation per send).
+    """
+
+    tensor: torch.Tensor
+    index: int = 0
+    #: the bytes of ``tensor`` the next ``publish`` delivers (its first ``used``); -1 at creation: all
+    used: int = -1
+
+    def __post_init__(self) -> None:
+        if self.used < 0:
+            self.used = self.tensor.numel()
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """What a publish of this buffer delivers: ``tensor``'s first ``used`` bytes (``tensor`` itself when whole)."""
+        return self.tensor if self.used == self.tensor.numel() else self.tensor[:self.used]
 
 
 @dataclass(frozen=True)
@@ -168,14 +198,13 @@ class SenderEndpoint(ABC):
     #: snapshot in pieces of about this size, calling ``ready`` after each, so the transport can
     #: move the first bytes while the rest is copied. 0 (the default): no ``ready`` calls.
     stream_bytes: int = 0
-    #: A transport that sets this accepts ``publish(buffer[:n], ...)``, the first ``n`` bytes of a
-    #: buffer ``acquire`` returned, and delivers only those bytes (the receiver's payload then has
-    #: ``n`` bytes): the core sends encoded payloads that way (deltas, a wire dtype; see
-    #: ``wsync_core.delta``). Otherwise the core publishes the whole buffer and the receiver's core
-    #: reads the first ``n`` bytes. Optional: interface 1 is unchanged.
+    #: The endpoint's promise that ``publish`` honours ``Buffer.used``: it delivers only the first
+    #: ``used`` bytes (the receiver's payload then has ``used`` bytes). The core then sends encoded
+    #: payloads (deltas, a wire dtype; see ``wsync_core.delta``) as a prefix. False (the default):
+    #: the core always sets ``used`` to the whole buffer, the receiver's core reads the first bytes.
     prefix_publish: bool = False
 
-    def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
+    def ready(self, buffer: Buffer, nbytes: int, workers: Sequence[int]) -> None:
         """Bytes ``[0, nbytes)`` of ``buffer`` (from the last ``acquire``) now hold the snapshot
         bound for ``workers``; calls come with rising ``nbytes`` up to ``layout.nbytes``, then
         ``publish`` gives the header. If the core fails in between, no ``publish`` follows: the
@@ -186,15 +215,16 @@ class SenderEndpoint(ABC):
         """Bind, listen and allocate; may return before any receiver connects."""
 
     @abstractmethod
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
-        """A contiguous uint8 tensor of ``layout.nbytes`` bytes that the core may overwrite now.
+    def acquire(self, deadline: Deadline) -> Buffer:
+        """A ``Buffer`` whose ``tensor`` (contiguous uint8, ``layout.nbytes`` bytes) the core may overwrite now.
 
         Raises WorkerTimeoutError if no buffer frees up by the deadline.
         """
 
     @abstractmethod
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        """Deliver ``buffer`` (returned by ``acquire``, or the latest published one) to ``workers``."""
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        """Deliver ``buffer``'s first ``buffer.used`` bytes and ``header`` to ``workers``; ``buffer`` is the one
+        ``acquire`` returned last, or the latest published one again."""
 
     @abstractmethod
     def poll(self, deadline: Deadline) -> list[Event]:

@@ -114,6 +114,14 @@ def test_a_receiver_ignoring_its_deadline_is_named(broken_runs) -> None:
     assert "recv()" in reason and "ran past its budget" in reason, log[-4000:]
 
 
+def test_a_publish_ignoring_used_is_named(broken_runs) -> None:
+    """A transport that declares prefix_publish and delivers whole buffers fails under exact, in the
+    endpoint check, naming the bytes it delivered against ``used``."""
+    code, log, results = broken_runs["PrefixIgnored"]
+    (test, reason), = results["exact"]["failed"]
+    assert test == "test_endpoint_publish_delivers_used_bytes" and "used=" in reason, log[-4000:]
+
+
 def test_runners_die_with_the_run(tmp_path: Path) -> None:
     """Every kind of receiver runner the harness starts dies when its parent is SIGKILLed."""
     script = tmp_path / "parent.py"

@@ -14,14 +14,14 @@ import time
 from collections.abc import Sequence
 
 import torch
-from wsync_core import Delivery, ReceiverContext, SenderContext, TransportError
+from wsync_core import Buffer, Delivery, ReceiverContext, SenderContext, TransportError
 from wsync_core.inproc import InprocTransport, _Receiver, _Sender
 from wsync_core.transport import Joined
 
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
-           "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta"]
+           "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -89,7 +89,7 @@ class _Misroute(_Sender):
         super().__init__(transport, ctx)
         self.num_workers = ctx.num_workers
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         if json.loads(header)["v"] > 0 and 0 < len(workers) < self.num_workers:
             workers = [(w + 1) % self.num_workers for w in workers]
         super().publish(buffer, header, workers)
@@ -118,23 +118,34 @@ class _AcquireLast(_Sender):
 
     def __init__(self, transport, ctx: SenderContext) -> None:
         super().__init__(transport, ctx)
-        self.last: torch.Tensor | None = None
+        self.last: Buffer | None = None
 
-    def acquire(self, deadline) -> torch.Tensor:
+    def acquire(self, deadline) -> Buffer:
         return self.last if self.last is not None else super().acquire(deadline)
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         self.last = buffer
         super().publish(buffer, header, workers)
+
+
+class _PrefixIgnored(_Sender):
+    """Declares prefix_publish (as inproc does) but delivers the whole buffer whatever ``used`` says:
+    a delta arrives with the stale bytes of older versions after it."""
+
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        with self.channel.cond:
+            for w in workers:
+                self.channel.mailbox[w] = (header, buffer.tensor)
+            self.channel.cond.notify_all()
 
 
 class _OlderWins(_Sender):
     """A newer publish is dropped while an older one is still queued for that worker."""
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         with self.channel.cond:
             for w in workers:
-                self.channel.mailbox.setdefault(w, (header, buffer))
+                self.channel.mailbox.setdefault(w, (header, buffer.payload))
             self.channel.cond.notify_all()
 
 
@@ -221,7 +232,7 @@ class _BlockingPublish(_Sender):
         super().__init__(transport, ctx)
         self.count = 0
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         self.count += 1
         if self.count > 3:
             self.block()
@@ -267,10 +278,10 @@ class _SharedAdoptableSender(_Sender):
 
     def __init__(self, transport, ctx: SenderContext) -> None:
         super().__init__(transport, ctx)
-        self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.buffers = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
         self.turn = 0
 
-    def acquire(self, deadline) -> torch.Tensor:
+    def acquire(self, deadline) -> Buffer:
         self.turn ^= 1
         return self.buffers[self.turn]
 
@@ -304,6 +315,7 @@ DeadlineIgnored = _transport("DeadlineIgnored", receiver=_DeadlineIgnored)
 CloseNotIdempotent = _transport("CloseNotIdempotent", sender=_CloseTwiceSender)
 EndpointInOptions = _transport("EndpointInOptions", sender=_EndpointInOptions)
 SharedAdoptable = _transport("SharedAdoptable", sender=_SharedAdoptableSender, receiver=_SharedAdoptableReceiver)
+PrefixIgnored = _transport("PrefixIgnored", sender=_PrefixIgnored)
 
 #: broken transport -> the guarantee it breaks
 BROKEN: dict[str, str] = {
@@ -325,6 +337,7 @@ BROKEN: dict[str, str] = {
     "CloseNotIdempotent": "clean",
     "EndpointInOptions": "portable",
     "SharedAdoptable": "isolated",
+    "PrefixIgnored": "exact",
 }
 
 #: broken transport -> the tests (a pytest -k expression) that must catch it
@@ -348,6 +361,7 @@ SELECT: dict[str, str] = {
     "CloseNotIdempotent": "test_endpoint_close_from_any_state",
     "EndpointInOptions": "test_portable_pickles",
     "SharedAdoptable": "test_targeted_subset_send or test_isolated_kept_references",
+    "PrefixIgnored": "test_endpoint_publish_delivers_used_bytes",
 }
 
 
@@ -415,11 +429,11 @@ SELECT["CorruptDelta"] = "test_delta_exact_sparse_changes"
 class _StaleQueued(_Sender):
     """Queues every version for a worker that is not reading and delivers them oldest first."""
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         with self.channel.cond:
             queues = self.channel.__dict__.setdefault("queues", {})
             for w in workers:
-                queues.setdefault(w, []).append((header, buffer.clone()))
+                queues.setdefault(w, []).append((header, buffer.payload.clone()))
                 self.channel.mailbox[w] = queues[w][0]
             self.channel.cond.notify_all()
 

@@ -272,7 +272,8 @@ class RawSender:
     def publish(self, header: bytes, workers: list[int]) -> None:
         """Publish the current model's bytes under ``header`` (any bytes at all)."""
         buffer = self.endpoint.acquire(Deadline(self.ctx.timeout))
-        self.layout.pack(flatten(self.model), buffer)
+        self.layout.pack(flatten(self.model), buffer.tensor)
+        buffer.used = buffer.tensor.numel()
         self.endpoint.publish(buffer, header, workers)
 
 

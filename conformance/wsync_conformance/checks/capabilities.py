@@ -162,7 +162,7 @@ class CapabilityChecks:
         deadline = Deadline(wsync.timeout)
         while not deadline.expired():
             reply = e.workers[0].request("ep_shared", wsync.timeout + SLACK_S, timeout=deadline.remaining(),
-                                         pointer=buffer.data_ptr())
+                                         pointer=buffer.tensor.data_ptr())
             reply.raise_for_error("recv() for the zero-copy check")
             if reply.get("version") == 1 or reply.get("version") is None:
                 break

@@ -144,7 +144,8 @@ class DeltaChecks:
         changes = mirror.since(0)
 
         def publish(version: int, damage=None, **fields: Any) -> None:
-            buffer = raw.endpoint.acquire(Deadline(wsync.timeout))
+            lease = raw.endpoint.acquire(Deadline(wsync.timeout))
+            buffer = lease.tensor
             encoded = mirror.encode(changes, buffer)
             table = [list(t) for t in encoded.table]
             header = dict(version=version, model_id="policy", digest=raw.layout.digest, nbytes=encoded.nbytes,
@@ -152,8 +153,9 @@ class DeltaChecks:
             if damage is not None:
                 damage(buffer, table, header)
             header.update(fields)
-            out = buffer[:header["nbytes"]] if getattr(raw.endpoint, "prefix_publish", False) else buffer
-            raw.endpoint.publish(out, Header(**header).encode(), [0])
+            prefix = getattr(raw.endpoint, "prefix_publish", False)  # as the core: a prefix, never empty
+            lease.used = min(max(header["nbytes"], 1), buffer.numel()) if prefix else buffer.numel()
+            raw.endpoint.publish(lease, Header(**header).encode(), [0])
 
         first = changes[min(changes)]
         at = mirror.encode(changes, torch.empty(raw.layout.nbytes, dtype=torch.uint8)).table[0][2]

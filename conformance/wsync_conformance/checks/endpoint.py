@@ -1,7 +1,9 @@
 """The transport interface itself, on its endpoints (``Transport.sender(ctx)``/``receiver(ctx)``,
 no scheme): the rules of ``wsync_core.transport`` a transport keeps, each checked directly.
 
-- what ``acquire`` may return: never the last published buffer, never one a receiver still reads;
+- what ``acquire`` may return: a ``Buffer`` of ``layout.nbytes`` bytes, never the last published
+  one, never one a receiver still reads;
+- what ``publish`` delivers: a buffer's first ``used`` bytes, exactly (with ``prefix_publish``);
 - newest wins: a newer publish is never dropped in favour of an older queued one;
 - ``Joined``/``Acked``/``Left``: Left when a receiver closes or its process dies;
 - reconnect under the same index: a restarted worker is served;
@@ -22,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
-from wsync_core import Deadline, Layout, TransportError, WorkerTimeoutError
+from wsync_core import Buffer, Deadline, Layout, TransportError, WorkerTimeoutError
 from wsync_core.protocol import Header
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 from wsync_core.weights import flatten
@@ -63,7 +66,7 @@ class Endpoints:
         self.receiver_specs: dict[int, ModelSpec] = {}  # a worker's own model, where it differs from the sender's
         self.events: list[Event] = []
         self.published: dict[int, str] = {}  # version -> payload digest
-        self.last: torch.Tensor | None = None
+        self.last: Buffer | None = None
 
     # -- receivers -----------------------------------------------------------------------------
     def start_receiver(self, i: int, worker: harness.Worker | None = None, *, timeout: float | None = None,
@@ -99,17 +102,19 @@ class Endpoints:
         return reply
 
     # -- the sender ----------------------------------------------------------------------------
-    def header(self, version: int) -> bytes:
-        return Header(version, "policy", self.layout.digest, self.nbytes, None).encode()
+    def header(self, version: int, nbytes: int | None = None) -> bytes:
+        return Header(version, "policy", self.layout.digest, self.nbytes if nbytes is None else nbytes, None).encode()
 
-    def publish(self, version: int, workers: list[int]) -> torch.Tensor:
-        """acquire(), write version ``version``'s pattern, publish; returns the buffer."""
+    def publish(self, version: int, workers: list[int], used: int | None = None) -> Buffer:
+        """acquire(), write version ``version``'s pattern over the whole buffer, publish its first
+        ``used`` bytes (default: all); returns the buffer."""
         buffer = self.sender.acquire(Deadline(self.ctx.timeout))
         check_buffer(buffer, self.nbytes, self.last)
         data = _pattern(self.nbytes, version)
-        buffer.copy_(data.to(buffer.device))
-        self.published[version] = _sha(data)
-        self.sender.publish(buffer, self.header(version), workers)
+        buffer.tensor.copy_(data.to(buffer.tensor.device))
+        buffer.used = self.nbytes if used is None else used
+        self.published[version] = _sha(data[:buffer.used])
+        self.sender.publish(buffer, self.header(version, buffer.used), workers)
         self.last = buffer
         return buffer
 
@@ -154,17 +159,24 @@ class Endpoints:
                 self.workers[i].recv(SLACK_S + 30, "answer to recv()")
 
 
-def check_buffer(buffer: Any, nbytes: int, last: torch.Tensor | None) -> None:
-    """What ``acquire`` returned: a contiguous uint8 tensor of ``nbytes``, not overlapping the
-    last published buffer."""
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 \
-            or buffer.numel() != nbytes or not buffer.is_contiguous():
-        raise violated("exact", f"acquire() returned {type(buffer).__name__} "
-                                f"{getattr(buffer, 'dtype', '')} {tuple(getattr(buffer, 'shape', ()))}, expected a "
+def check_buffer(buffer: Any, nbytes: int, last: Buffer | None) -> None:
+    """What ``acquire`` returned: a ``Buffer`` whose tensor is contiguous uint8 of ``nbytes``, not
+    the last published one nor overlapping its memory."""
+    if not isinstance(buffer, Buffer):
+        raise violated("exact", f"acquire() returned {type(buffer).__name__}, expected a wsync_core.Buffer "
+                                f"(transport interface 2)")
+    tensor = buffer.tensor
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1 \
+            or tensor.numel() != nbytes or not tensor.is_contiguous():
+        raise violated("exact", f"acquire() returned a Buffer whose tensor is {type(tensor).__name__} "
+                                f"{getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}, expected a "
                                 f"contiguous uint8 tensor of {nbytes} bytes")
-    if last is not None and last.device == buffer.device and nbytes:
-        a0, b0 = buffer.data_ptr(), last.data_ptr()
-        if a0 < b0 + last.numel() and b0 < a0 + buffer.numel():
+    if last is not None and buffer is last:
+        raise violated("isolated", "acquire() returned the Buffer of the last publish: the core would overwrite a "
+                                   "payload that receivers may still read")
+    if last is not None and last.tensor.device == tensor.device and nbytes:
+        a0, b0 = tensor.data_ptr(), last.tensor.data_ptr()
+        if a0 < b0 + last.tensor.numel() and b0 < a0 + tensor.numel():
             raise violated("isolated", "acquire() returned the buffer of the last publish (or memory overlapping it): "
                                        "the core would overwrite a payload that receivers may still read")
 
@@ -210,6 +222,32 @@ class EndpointChecks:
                 e.workers[0].request("ep_release").raise_for_error("ep_release")
             if got != v:
                 raise violated("live", f"the receiver endpoint got {got} instead of version {v} within {wsync.timeout} s")
+
+    @guarantee("exact")
+    def test_endpoint_publish_delivers_used_bytes(self, wsync: Context) -> None:
+        """With ``prefix_publish``, publish() delivers a Buffer's first ``used`` bytes, no more and no
+        fewer: versions with used = half, a third, then all of the buffer (each written in full)
+        arrive with that many bytes, those bytes."""
+        e = Endpoints(wsync, 1)
+        if not getattr(e.sender, "prefix_publish", False):
+            pytest.skip("the sender endpoint does not set prefix_publish: the core always publishes whole buffers")
+        e.connect()
+        for v, used in ((1, max(1, e.nbytes // 2)), (2, max(1, e.nbytes // 3)), (3, e.nbytes)):
+            e.publish(v, [0], used=used)
+            got, d = None, None
+            deadline = Deadline(wsync.timeout)
+            while got != v and not deadline.expired():
+                d = e.recv(0, deadline.slice(2.0))["delivery"]
+                got = _version_of(d) if d is not None else got
+            if got != v:
+                raise violated("live", f"the receiver endpoint did not get version {v} within {wsync.timeout} s")
+            if d["size"] != used:
+                raise violated("exact", f"publish() of a Buffer with used={used} of its {e.nbytes} bytes delivered "
+                                        f"{d['size']} bytes: with prefix_publish it must deliver exactly the first "
+                                        f"used bytes")
+            if d["digest"] != e.published[v]:
+                raise violated("exact", f"publish() of a Buffer with used={used} delivered {used} bytes that are not "
+                                        f"its first {used} bytes")
 
     @guarantee("versioned")
     def test_endpoint_newest_wins(self, wsync: Context) -> None:
@@ -372,7 +410,8 @@ class EndpointChecks:
             if took > short + SLACK_S:
                 raise violated("live", f"SenderEndpoint.acquire(deadline of {short:g} s) took {took:.1f} s")
             check_buffer(buffer, e.nbytes, e.last)
-            buffer.copy_(_pattern(e.nbytes, v).to(buffer.device))
+            buffer.tensor.copy_(_pattern(e.nbytes, v).to(buffer.tensor.device))
+            buffer.used = e.nbytes
             if held:
                 now = e.workers[0].request("ep_held").raise_for_error("ep_held")["digests"]
                 if now != list(held.values()):

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 from wsync_core import (
     Acked,
+    Buffer,
     Capabilities,
     Deadline,
     Delivery,
@@ -148,7 +149,7 @@ class _Sender(SenderEndpoint):
         self.nbytes = ctx.layout.nbytes
         self.token = uuid.uuid4().hex[:12]
         self.me = f"{_HOST} {os.getpid()} {self.token}".encode()
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[Buffer] = []
         self.written: dict[int, str] = {}  # buffer slot -> payload file holding its bytes
         self.latest = -1  # the slot published last
         self.files: list[str] = []  # payload files on disk, oldest first
@@ -182,24 +183,23 @@ class _Sender(SenderEndpoint):
         for name in _listdir(self.dir):  # leftovers of a sender that died
             if name.startswith(("to-", "payload-", "ack-")):
                 _unlink(os.path.join(self.dir, name))
-        self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.buffers = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         slot = 1 if self.latest == 0 else 0  # never the buffer published last
         self.written.pop(slot, None)
         return self.buffers[slot]
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        slot = next((i for i, b in enumerate(self.buffers) if b is buffer), None)
-        name = self.written.get(slot) if slot is not None else None
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        slot = buffer.index  # 0 or 1: which of self.buffers
+        name = self.written.get(slot)
         if name is None:
             self.count += 1
             name = f"payload-{self.token}-{self.count}.bin"
-            _write(self.dir, name, memoryview(buffer.cpu().numpy()))
+            _write(self.dir, name, memoryview(buffer.tensor.cpu().numpy()))
             self.files.append(name)
-            if slot is not None:
-                self.written[slot] = name
-        self.latest = -1 if slot is None else slot
+            self.written[slot] = name
+        self.latest = slot
         for w in workers:
             self.seq += 1
             _write(self.dir, f"to-{w}", f"{self.token} {self.seq} {name}\n".encode() + header)
@@ -330,7 +330,7 @@ class FilesTransport(Transport):
     """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
 
     name = "files"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
 
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:

@@ -23,6 +23,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from wsync_core import (
     Acked,
+    Buffer,
     Deadline,
     Delivery,
     Joined,
@@ -123,7 +124,7 @@ class RaySender(SenderEndpoint):
     def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
         self.nbytes = ctx.layout.nbytes
-        self.slots: list[torch.Tensor] = []
+        self.slots: list[Buffer] = []
         self.refs: dict[int, Any] = {}  # slot -> object reference holding its bytes
         self.latest = -1  # the slot published last
         self.seq = 0
@@ -140,28 +141,28 @@ class RaySender(SenderEndpoint):
         except ValueError as exc:
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
                                  f"sender: {exc}") from exc
-        self.slots = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.slots = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         slot = 1 if self.latest == 0 else 0  # never the buffer published last
         self.refs.pop(slot, None)  # the store frees that version once no mailbox or receiver holds it
         return self.slots[slot]
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         if len(header) > MAX_HEADER_BYTES:
             raise TransportError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-        slot = next((i for i, b in enumerate(self.slots) if b is buffer), None)
-        ref = self.refs.get(slot) if slot is not None else None
+        slot = buffer.index  # 0 or 1: which of self.slots
+        ref = self.refs.get(slot)
         if ref is None:
-            data = buffer.detach().cpu().contiguous()
+            data = buffer.tensor.detach().cpu().contiguous()
             try:
                 ref = ray.put(pickle.PickleBuffer(data.numpy()))  # raw bytes, out of band: one copy into the store
             except RayError as exc:
                 raise _ray_failed("putting the payload into Ray's object store failed", exc) from exc
         # only the newest version may be published again (to a worker that joins): the sender lets
         # go of older ones, which leave the store once the mailbox and the receivers let go too
-        self.refs = {} if slot is None else {slot: ref}
-        self.latest = -1 if slot is None else slot
+        self.refs = {slot: ref}
+        self.latest = slot
         self.seq += 1
         self.posts.append(self.mailbox.post.remote(self.seq, list(workers), bytes(header), [ref]))
 

@@ -53,7 +53,7 @@ class RayTransport(Transport):
     """
 
     name = "ray"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=False)
     #: the runtime this transport trusts, and why (``wsync_conformance`` reports it in its table)

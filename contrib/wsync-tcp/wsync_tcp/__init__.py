@@ -69,7 +69,7 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, async_send=True, subset_send=True,
                                 late_join=True, auth=True)
 

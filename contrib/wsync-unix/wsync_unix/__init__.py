@@ -73,7 +73,7 @@ class UnixTransport(Transport):
     """
 
     name = "unix"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True, auth=True)
 
     def __init__(self, *, name: str | None = None, authkey: str | None = None, heartbeat: float = 10.0,

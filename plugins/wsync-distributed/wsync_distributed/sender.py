@@ -37,7 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from wsync_core import Acked, Deadline, Joined, Left, SenderContext, TransportError
-from wsync_core.endpoints import Buffer, SenderBase
+from wsync_core import Buffer
+from wsync_core.endpoints import SenderBase
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import decode_json
 
@@ -145,7 +146,7 @@ class DistributedSender(SenderBase):
     def allocate(self, index: int) -> torch.Tensor:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         """A buffer no lane reads and that is not the core's latest; raises WorkerTimeoutError naming
         the workers whose lanes hold every buffer."""
         with self.cond:
@@ -153,21 +154,22 @@ class DistributedSender(SenderBase):
             self._end_stream()
             if self.acquired is not None:  # written in full, published or not: the core may publish it again
                 self.latest = self.acquired
-        tensor = super().acquire(deadline)
+        buffer = super().acquire(deadline)
         with self.cond:
-            buffer = self._find(tensor, "acquire")
             self.seq += 1
             self.seqs[buffer.index] = self.seq
             self.acquired = buffer
-        return tensor
+        return buffer
 
-    def ready(self, buffer: torch.Tensor, nbytes: int, workers: Sequence[int]) -> None:
+    def ready(self, buffer: Buffer, nbytes: int, workers: Sequence[int]) -> None:
         """Bytes ``[0, nbytes)`` of ``buffer`` are final: the lanes of ``workers`` may send them (the
         first call starts the stream). A CUDA buffer (NCCL) is final on the device too: the core
         synchronizes its stream before each call, so the links' streams need no event."""
         with self.cond:
             self.check_open()
-            found = self._find(buffer, "ready")
+            if not self.owns(buffer):
+                raise TransportError("distributed: ready() got a buffer that acquire() did not return")
+            found = buffer
             stream = self.stream
             if stream is None or stream.buffer is not found:
                 self._end_stream()
@@ -237,12 +239,6 @@ class DistributedSender(SenderBase):
             self.sock = None
 
     # -- buffers and streams ---------------------------------------------------------------
-    def _find(self, tensor: torch.Tensor, call: str) -> Buffer:
-        found = next((b for b in self.buffers if b.tensor is tensor), None)
-        if found is None:
-            raise TransportError(f"distributed: {call}() got a buffer that acquire() did not return")
-        return found
-
     def _end_stream(self) -> None:
         """The core is done with the open stream: lanes waiting for its header stop waiting; one
         never published is dropped by its receivers once sent (caller holds ``cond``)."""

@@ -64,7 +64,7 @@ class DistributedTransport(Transport):
     """
 
     name = "distributed"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, cuda=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=False)
 

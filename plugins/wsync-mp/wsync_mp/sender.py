@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import torch
-from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
@@ -77,6 +77,7 @@ class MpSender(SenderEndpoint):
         self.nbytes = ctx.layout.nbytes
         self.max_slots = max_slots
         self.slots: list[Slot] = []
+        self.buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
         self.latest: int | None = None
         self.cond = threading.Condition()
         self.events: list[Event] = []
@@ -107,17 +108,18 @@ class MpSender(SenderEndpoint):
         self.thread = threading.Thread(target=self._run, name=f"wsync-mp-sender {self.address}", daemon=True)
         self.thread.start()
 
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         with self.cond:
             while True:
                 busy = {s for c in self.conns.values() for s in (*c.held, *c.pinned)}
                 busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
                 for index, slot in enumerate(self.slots):
                     if index != self.latest and index not in busy:
-                        return slot.tensor
+                        return self.buffers[index]
                 if len(self.slots) < self.max_slots:
                     self.slots.append(Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes))
-                    return self.slots[-1].tensor
+                    self.buffers.append(Buffer(self.slots[-1].tensor, len(self.buffers)))
+                    return self.buffers[-1]
                 if deadline.expired():
                     holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
                     raise WorkerTimeoutError(
@@ -125,9 +127,9 @@ class MpSender(SenderEndpoint):
                         f"after {deadline.timeout:g} s (raise max_slots, or unblock those workers)", holders)
                 self.cond.wait(deadline.slice(1.0))
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
-        index = next((i for i, s in enumerate(self.slots) if s.tensor is buffer), None)
-        if index is None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        index = buffer.index if isinstance(buffer, Buffer) else -1
+        if not (0 <= index < len(self.buffers) and self.buffers[index] is buffer):
             raise TransportError("mp: publish() got a buffer that acquire() did not return")
         if len(header) > MAX_HEADER_BYTES:
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
@@ -209,6 +211,7 @@ class MpSender(SenderEndpoint):
         for slot in self.slots:
             slot.close()
         self.slots = []
+        self.buffers = []
 
     def _emit(self, event: Event) -> None:
         self.events.append(event)

@@ -313,6 +313,8 @@ class RpcSender(SenderBase):
     meanwhile waits (an older one waiting is dropped), so a slow or silent worker holds at most
     two buffers and never delays the others."""
 
+    prefix_publish = True  # a delivery sends ``buffer.payload``, the first ``used`` bytes
+
     def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
         super().__init__("rpc sender", ctx)
         self.options = options

@@ -29,7 +29,7 @@ class RpcTransport(Transport):
     """
 
     name = "rpc"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, cuda=False, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=False, auth=False)
 

@@ -38,6 +38,7 @@ import torch
 
 from wsync_core import (
     Acked,
+    Buffer,
     Capabilities,
     Deadline,
     Delivery,
@@ -91,6 +92,7 @@ class _Sender(SenderEndpoint):
         self._num_workers = ctx.num_workers
         self._token = secrets.token_hex(6)
         self._slots: list[Slot] = []
+        self._buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
         self._latest: int | None = None  # slot last published
         self._acquired: int | None = None  # slot handed out by acquire, not yet published
         self._gen = 0
@@ -129,6 +131,7 @@ class _Sender(SenderEndpoint):
         self._reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
         self._reaper.stdin.flush()
         self._slots.append(Slot.create(path, self._nbytes))
+        self._buffers.append(Buffer(self._slots[index].payload, index))
         return index
 
     def close(self) -> None:
@@ -137,6 +140,7 @@ class _Sender(SenderEndpoint):
             slot.unlink()
             slot.close()
         self._slots = []
+        self._buffers = []
         self._acquired = self._latest = None
         self._close_sockets()
         if self._reaper is not None:
@@ -173,6 +177,7 @@ class _Sender(SenderEndpoint):
         for slot in self._slots:
             slot.forget_in_child()
         self._slots = []
+        self._buffers = []
         self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
@@ -180,9 +185,9 @@ class _Sender(SenderEndpoint):
             reaper.returncode = 0  # not this process's child: never wait for it here
 
     # -- the core's calls -------------------------------------------------------------------
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         if self._acquired is not None:  # handed out before but never published: still ours
-            return self._slots[self._acquired].payload
+            return self._buffers[self._acquired]
         self._pump(0.0)
         while True:
             order = sorted(range(len(self._slots)), key=lambda i: self._slots[i].gen)
@@ -204,17 +209,17 @@ class _Sender(SenderEndpoint):
         """Whether some worker was told to read slot ``index`` and has not taken it yet."""
         return any(i == index and g > self._taken.get(w, -1) for w, (i, g) in self._mailbox.items())
 
-    def _hand_out(self, index: int) -> torch.Tensor:
+    def _hand_out(self, index: int) -> Buffer:
         self._gen += 1
         self._slots[index].gen = self._gen
         self._acquired = index
-        return self._slots[index].payload
+        return self._buffers[index]
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         if self._selector is None:
             raise TransportError(f"the shm sender {self._name!r} is closed")
-        index = next((i for i, s in enumerate(self._slots) if s.payload is buffer), None)
-        if index is None:
+        index = buffer.index if isinstance(buffer, Buffer) else -1
+        if not (0 <= index < len(self._buffers) and self._buffers[index] is buffer):
             raise TransportError("publish() got a buffer that acquire() did not return")
         if index == self._acquired:
             self._acquired = None
@@ -524,7 +529,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
                                 late_join=True, cuda=True)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 import zmq.auth.thread
-from wsync_core import TransportError
+from wsync_core import Buffer, TransportError
 from wsync_core.deadline import Deadline
 from wsync_core.endpoints import EndpointBase
 from wsync_core.forked import close_inherited
@@ -37,8 +37,9 @@ _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVE
 
 
 @dataclass(eq=False)
-class _Slot:
-    tensor: torch.Tensor
+class _Slot(Buffer):
+    """A buffer with the trackers of the zero-copy frames still sending it."""
+
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
 
     def sending(self) -> bool:
@@ -91,11 +92,12 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._poller = zmq.Poller()
         self._slots: list[_Slot] = []
-        self._latest: torch.Tensor | None = None
+        self._made = 0  # slots made so far (numbers them)
+        self._latest: _Slot | None = None
         self._peers: dict[int, _Peer] = {}
         self._workers: dict[bytes, int] = {}  # routing id -> worker
         self._inflight: dict[int, zmq.MessageTracker] = {}
-        self._waiting: dict[int, tuple[torch.Tensor, bytes]] = {}
+        self._waiting: dict[int, tuple[_Slot, bytes]] = {}
         self._events: list[Event] = []
         self._local: int | str | None = None  # the TCP port or ipc path it listens on
 
@@ -132,33 +134,30 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         _live.add(self)
 
     # -- buffers ------------------------------------------------------------------------------
-    def acquire(self, deadline: Deadline) -> torch.Tensor:
+    def acquire(self, deadline: Deadline) -> Buffer:
         self.check_open()
-        busy = {buf.data_ptr() for buf, _ in self._waiting.values()}  # a prefix shares its slot's address
+        busy = {slot for slot, _ in self._waiting.values()}
         if self._latest is not None:
-            busy.add(self._latest.data_ptr())
-        free = [s for s in self._slots if s.tensor.data_ptr() not in busy and not s.sending()]
+            busy.add(self._latest)
+        free = [s for s in self._slots if s not in busy and not s.sending()]
         if free:
             for extra in free[1:]:  # keep one spare; the rest were only needed while peers lagged
                 self._slots.remove(extra)
-            return free[0].tensor
-        slot = _Slot(torch.empty(self._nbytes, dtype=torch.uint8))
+            return free[0]
+        self._made += 1
+        slot = _Slot(torch.empty(self._nbytes, dtype=torch.uint8), self._made)
         self._slots.append(slot)
-        return slot.tensor
+        return slot
 
-    #: publish(buffer[:n]) sends only those n bytes (the core's deltas and wire dtypes)
+    #: publish() sends only the first ``buffer.used`` bytes (the core's deltas and wire dtypes)
     prefix_publish = True
 
-    def publish(self, buffer: torch.Tensor, header: bytes, workers: Sequence[int]) -> None:
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         self.check_open()
+        if not isinstance(buffer, _Slot):
+            raise TransportError("zmq: publish() got a buffer that acquire() did not return")
         self._read_peers()  # the wants that came in since the last poll
-        slot = next((s for s in self._slots if s.tensor is buffer), None)
-        if slot is None and buffer.numel() < self._nbytes:  # the first bytes of a slot: send those
-            slot = next((s for s in self._slots if s.tensor.data_ptr() == buffer.data_ptr()), None)
-        if slot is None:
-            slot = _Slot(buffer)
-            self._slots.append(slot)
-        self._latest = slot.tensor
+        self._latest = buffer
         for w in workers:
             if w not in self._peers:
                 log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
@@ -175,13 +174,13 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         buffer, header = self._waiting.pop(w)
         self._send(w, buffer, header)
 
-    def _send(self, w: int, buffer: torch.Tensor, header: bytes) -> None:
+    def _send(self, w: int, slot: _Slot, header: bytes) -> None:
         peer = self._peers[w]
         sock = self._sock
         try:
             sock.send(peer.rid, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
-            self._waiting[w] = (buffer, header)
+            self._waiting[w] = (slot, header)
             return
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
@@ -191,6 +190,7 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         sock.send(DATA, zmq.SNDMORE)
         sock.send(header, zmq.SNDMORE)
         peer.wants = False
+        buffer = slot.payload
         if peer.fits and buffer.numel() <= _COPY_BELOW:  # small: a copy is cheaper than tracking a frame
             sock.send(buffer.numpy(), copy=True)
             self._inflight.pop(w, None)
@@ -202,9 +202,7 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         tracker = sock.send(frame, copy=False, track=True)
         del frame  # the frame's own reference would keep its tracker pending
         self._inflight[w] = tracker
-        for slot in self._slots:
-            if slot.tensor is buffer or slot.tensor.data_ptr() == buffer.data_ptr() and buffer.numel():
-                slot.trackers.append(tracker)
+        slot.trackers.append(tracker)
 
     # -- events -------------------------------------------------------------------------------
     def poll(self, deadline: Deadline) -> list[Event]:

@@ -71,7 +71,7 @@ class ZmqTransport(Transport):
     """
 
     name = "zmq"
-    interface = 1
+    interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=True)
 
