@@ -145,7 +145,7 @@ class SceneChecks:
         fill_version(raw.model, 9)
         for what, header in cases.items():
             raw.publish(header, [0])
-            reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+            reply = raw.call(w, "receive", timeout=min(wsync.timeout, 5.0))
             if reply.error not in ("TransportError",) and not (reply.error is None and reply.get("result") is None):
                 raise violated("safe", f"a header with {what}: receive() gave {reply.error or reply.get('result')} "
                                        f"({reply.get('message', '')[:200]}), expected TransportError (or nothing)")

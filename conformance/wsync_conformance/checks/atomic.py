@@ -113,7 +113,7 @@ class AtomicChecks:
         fill_version(raw.model, 9)
         for what, (header, error) in cases.items():
             raw.publish(header, [0])
-            reply = w.call("receive", timeout=wsync.timeout)
+            reply = raw.call(w, "receive", timeout=wsync.timeout)
             if reply.error != error:
                 raise violated("atomic", f"a payload with {what}: receive() gave {reply.error or reply.get('result')}, "
                                          f"expected {error}")

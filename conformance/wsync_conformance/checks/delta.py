@@ -180,14 +180,14 @@ class DeltaChecks:
         assert first is not None and first.numel() >= 2
         for what, damage in cases.items():
             publish(1, damage)
-            reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+            reply = raw.call(w, "receive", timeout=min(wsync.timeout, 5.0))
             if reply.error != "TransportError":
                 raise violated("atomic", f"a delta with {what}: receive() gave {reply.error or reply.get('result')}, "
                                          f"expected TransportError")
             if w.snapshot()["digests"] != before:
                 raise violated("atomic", f"a delta with {what} changed the receiver's model")
         publish(2, base=1)  # the worker holds version 0
-        reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+        reply = raw.call(w, "receive", timeout=min(wsync.timeout, 5.0))
         if reply.error is not None or reply.get("result") is not None or w.snapshot()["digests"] != before:
             raise violated("atomic", f"a delta for base 1 to a worker at version 0: receive() gave "
                                      f"{reply.error or reply.get('result')} and the model "
@@ -199,7 +199,7 @@ class DeltaChecks:
             raise violated("atomic", f"the worker refused a delta for a base it does not hold without telling the "
                                      f"sender (acks: {raw.acks})")
         publish(3)
-        reply = w.call("receive", timeout=wsync.timeout)
+        reply = raw.call(w, "receive", timeout=wsync.timeout)
         if reply.error is not None or reply.get("result") != 3:
             raise violated("atomic", f"a good delta after damaged ones: receive() gave {reply.error or reply.get('result')}")
         if w.snapshot()["digests"] != digests(raw.model):

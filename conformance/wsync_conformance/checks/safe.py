@@ -55,7 +55,7 @@ class SafeChecks:
                 raw.publish(header, [0])
             except (TransportError, ValueError) as exc:
                 raise violated("safe", f"publishing {what} failed on the sender side: {exc}") from exc
-            reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+            reply = raw.call(w, "receive", timeout=min(wsync.timeout, 5.0))
             if reply.error not in ("TransportError",) and not (reply.error is None and reply.get("result") is None):
                 raise violated("safe", f"a header of {what}: receive() gave {reply.error or reply.get('result')}, "
                                        f"expected TransportError (or nothing)")
@@ -72,7 +72,7 @@ class SafeChecks:
             raw.publish(b'{"wsync":1,"pad":"' + b"x" * (MAX_HEADER_BYTES + 16) + b'"}', [0])
         except (TransportError, ValueError):
             return
-        reply = w.call("receive", timeout=min(wsync.timeout, 5.0))
+        reply = raw.call(w, "receive", timeout=min(wsync.timeout, 5.0))
         if reply.error not in (None, "TransportError") or reply.get("result") is not None:
             raise violated("safe", f"an oversized header: receive() gave {reply.error or reply.get('result')}, "
                                    f"expected TransportError (or nothing)")

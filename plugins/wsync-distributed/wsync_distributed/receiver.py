@@ -7,9 +7,10 @@ resumes, never the ones that arrived meanwhile.
 
 A heartbeat thread bumps this worker's counter in the store and reads whether the sender gave
 this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
-reachable again (a link restored, a broadcast that failed) it gets the newest version. A sender
-that dies makes ``recv`` raise TransportError (its store is gone); one that shuts down makes it
-return None at once.
+reachable again (a link restored, a broadcast that failed) it gets the newest version; what its
+old link still brings meanwhile is dropped (each delivery first checks the inbox's ``evict`` key,
+which the sender sets before it reports the worker gone). A sender that dies makes ``recv``
+raise TransportError (its store is gone); one that shuts down makes it return None at once.
 
 Deliveries are adoptable: the core makes the model's tensors views of the buffer instead of
 copying it, and releases it once the model moved on. A buffer the core holds is never written;
@@ -146,8 +147,39 @@ class DistributedReceiver(ReceiverBase):
                     return None
                 self.cond.wait(deadline.slice(1.0))
 
-    def _deliver(self, slot: int, header: bytes) -> None:
-        self.put(Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True))
+    def _deliver(self, store: dist.Store, inbox: str, slot: int, header: bytes) -> None:
+        """Hand the buffer in ``slot`` to the core, if the sender still serves this worker under
+        ``inbox``; else free it (the worker joins again and gets the newest version then)."""
+        if self._served(store, inbox):
+            self.put(Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True))
+        else:
+            self._release(slot)
+
+    def _served(self, store: dist.Store, inbox: str) -> bool:
+        """Whether the sender has not given up ``inbox`` (its ``evict`` key, read over ``store``,
+        is unset). A given-up worker applies nothing that was on its old link when it was cut (the
+        sender counts it gone until it joins again, so a version it applied then would count
+        nowhere); a store that does not answer in ``heartbeat_timeout`` counts as given up."""
+        if self.evicted == inbox:
+            return False
+        wait = max(1.0, self.cfg.heartbeat_timeout)
+        try:
+            store.set_timeout(timedelta(seconds=wait))
+            try:
+                evicted = store.check([wire.evict_key(inbox)])
+            finally:
+                store.set_timeout(wire.POP_TIMEOUT)
+        except RuntimeError as exc:
+            log.warning("%s: cannot ask the sender whether it still serves this worker: %s; joining again",
+                        self.what, wire.brief(exc))
+            evicted = True
+        if evicted:
+            if not self.stopped.is_set():
+                log.warning("%s: the sender gave this worker up while a version was on its way; dropping it "
+                            "and joining again", self.what)
+            self.evicted = inbox
+            return False
+        return True
 
     # -- threads ---------------------------------------------------------------------------
     def _join(self, store: dist.Store) -> None:
@@ -215,7 +247,7 @@ class DistributedReceiver(ReceiverBase):
                 with self.cond:
                     filled, self.filled = self.filled, None
                 if filled is not None and filled[0] == ctl.seq:
-                    self._deliver(filled[1], header)
+                    self._deliver(store, self.inbox, filled[1], header)
                 elif filled is not None:
                     self._release(filled[1])
             elif ctl.kind == "abort":
@@ -304,7 +336,7 @@ class DistributedReceiver(ReceiverBase):
         if slot is None:
             return
         if header:
-            self._deliver(slot, header)
+            self._deliver(store, inbox, slot, header)
         else:
             with self.cond:
                 self.filled = (ctl.seq, slot)

@@ -298,19 +298,30 @@ class DistributedSender(SenderBase):
 
     def _lose(self, lane: _Lane, reason: str, store: dist.Store | None) -> None:
         """Give ``lane``'s worker up: report it Left; with ``store`` (a failure, not a goodbye) tell
-        it, if it runs and can hear, to join again."""
+        it, if it runs and can hear, to join again.
+
+        The ``evict`` key is set before ``Left`` is reported (and under ``cond``, so no join of the
+        worker is handled in between): from then on the worker applies nothing more from its old
+        inbox (it checks the key before each delivery), so a worker the core counts gone holds no
+        version the core does not know of; it joins again and gets the newest."""
         with self.cond:
             if self.lanes.get(lane.worker) is not lane:
                 return
             del self.lanes[lane.worker]
             self._retire(lane)
+            evict = store is not None and not self.closing
+            if evict:
+                try:  # the store is this process's: the call does not wait on the worker
+                    store.set(wire.evict_key(lane.inbox), b"1")
+                except (RuntimeError, OSError) as exc:
+                    log.warning("distributed sender: could not mark worker %d given up: %s", lane.worker,
+                                wire.brief(exc))
             if not self.closing:
                 log.log(logging.WARNING if store is not None else logging.INFO,
                         "distributed sender: worker %d is given up: %s", lane.worker, reason)
                 self.emit(Left(lane.worker, reason))
-        if store is not None and not self.closing:
+        if evict:
             try:
-                store.set(wire.evict_key(lane.inbox), b"1")
                 store.queue_push(wire.inbox_key(lane.inbox), wire.encode_control(wire.Control(kind="evict")))
             except (RuntimeError, OSError) as exc:
                 log.debug("distributed sender: could not evict worker %d: %s", lane.worker, wire.brief(exc))
@@ -378,8 +389,10 @@ class DistributedSender(SenderBase):
                     self._join(w, inbox, nbytes)
         elif kind == wire.ACK:
             with self.cond:
-                known = w in self.lanes
-            if known:
+                lane = self.lanes.get(w)
+                if lane is not None:  # an ack is a sign of life, as a heartbeat is (whose link may be slower to recover)
+                    lane.seen = time.monotonic()
+            if lane is not None:
                 self.emit(Acked(w, data))
         elif kind == wire.LEAVE:
             with self.cond:

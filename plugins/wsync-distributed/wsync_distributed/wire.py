@@ -48,7 +48,8 @@ from .config import Config
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
     "inbox_key", "heartbeat_key", "evict_key", "encode_event", "decode_event", "encode_control", "decode_control",
-    "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS", "spans",
+    "POP_TIMEOUT", "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
+    "spans",
 ]
 
 EVENTS = "events"
@@ -58,7 +59,7 @@ MAX_EVENT_BYTES = 5 + MAX_ACK_BYTES
 MAX_CONTROL_BYTES = 8 * 1024 * 1024
 MAX_HEADER = MAX_CONTROL_BYTES - 4 - 64 * 1024
 #: how long a blocking queue pop waits before it simply tries again
-_POP_TIMEOUT = timedelta(hours=1)
+POP_TIMEOUT = timedelta(hours=1)
 
 
 def brief(exc: BaseException) -> str:
@@ -182,11 +183,11 @@ def connect(cfg: Config, deadline: Deadline) -> dist.Store:
     except (RuntimeError, OSError) as exc:
         raise TransportError(f"distributed: no sender store at {cfg.host}:{cfg.port} within {wait:g} s "
                              f"(is the sender connecting with the same host and port?): {brief(exc)}") from exc
-    store.set_timeout(_POP_TIMEOUT)
+    store.set_timeout(POP_TIMEOUT)
     return dist.PrefixStore(cfg.prefix, store)
 
 
-def clone(store: dist.Store, timeout: timedelta = _POP_TIMEOUT) -> dist.Store:
+def clone(store: dist.Store, timeout: timedelta = POP_TIMEOUT) -> dist.Store:
     """Another connection to the same store, for one more thread (a store client blocks while it
     waits); each of its calls waits at most ``timeout``. Raises RuntimeError if it cannot connect."""
     other = store.clone()

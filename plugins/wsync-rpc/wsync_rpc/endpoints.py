@@ -175,6 +175,15 @@ def _start_agent(store: dist.Store, name: str, rank: int, world: int, opts: rpc.
     rpc_api._init_rpc_states(agent)
 
 
+def _agent_store(host: str, port: int, wait: timedelta) -> dist.TCPStore:
+    """A client of the store at ``host:port``, for the sender's RPC agent. torch keeps a process's
+    first RPC agent alive after ``rpc.shutdown()`` (its process-wide RRef context holds it), and
+    with it the store the agent was given: were that the store that listens, its port would stay
+    taken for the life of the process (no Python reference left) and a new sender with the same
+    options could not bind it. Raises RuntimeError if it cannot connect within ``wait``."""
+    return dist.TCPStore(host, port, None, False, wait)
+
+
 _WORLD_KEY = "wsync-rpc/world"
 
 
@@ -248,10 +257,14 @@ class _Agent:
         if self.interface is not None:
             os.environ["TP_SOCKET_IFNAME"] = os.environ[_MARK] = self.interface[0]
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
-        self.store.set_timeout(timedelta(seconds=max(0.05, wait_s)))
+        wait = timedelta(seconds=max(0.05, wait_s))
+        self.store.set_timeout(wait)
         _init_dist_autograd(self.rank)
         try:
-            _start_agent(dist.PrefixStore("wsync-rpc/agent", self.store), self.name, self.rank, self.world, opts)
+            store = self.store
+            if self.rank == 0:  # the agent gets a client of its own, never the store that listens (see _agent_store)
+                store = _agent_store(self.host, self.port, wait)
+            _start_agent(dist.PrefixStore("wsync-rpc/agent", store), self.name, self.rank, self.world, opts)
         except (RuntimeError, OSError) as exc:
             raise TransportError(f"rpc: {self.name} could not start its RPC agent with world_size={self.world} at "
                                  f"{self.host}:{self.port} within {wait_s:g} s (RPC needs every rank at start): "

@@ -26,7 +26,7 @@ def bump(model: torch.nn.Module) -> None:
 
 def buffers(scheme: WeightSyncScheme) -> int:
     """How many payload buffers the zmq sender holds now."""
-    return len(scheme._role.endpoint._slots)
+    return len(scheme._role.endpoint.buffers)
 
 
 def applied(worker) -> list[int]:

@@ -16,12 +16,9 @@ import math
 import os
 
 import zmq
-from wsync_core import TransportError
-from wsync_core.deadline import Deadline
-from wsync_core.endpoints import EndpointBase
-from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
+from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError
 
-from .sockets import close_all, configure, log, monitor_events, wrap
+from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, DATA, HELLO, NEWER, PROBE, WANT, Hello, decode_answer, decode_delivery,
                    header_limit, payload_tensor)
 
@@ -36,11 +33,12 @@ _BYE_LINGER_MS = 500
 _PROBE_WAIT_S = 0.5
 
 
-class ZmqReceiver(EndpointBase, ReceiverEndpoint):
-    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+class ZmqReceiver(ReceiverBase):
+    """The base carries the lifecycle, ``wake`` and the newest-only mailbox; this class the socket,
+    read in the caller's ``recv``, which ``put``s each delivery."""
 
     def __init__(self, options: dict, ctx: ReceiverContext) -> None:
-        super().__init__(f"zmq receiver of worker {ctx.worker_idx}")
+        super().__init__(f"zmq receiver of worker {ctx.worker_idx}", ctx)
         self._options = options
         self._worker = ctx.worker_idx
         self._nbytes = ctx.layout.nbytes
@@ -54,7 +52,6 @@ class ZmqReceiver(EndpointBase, ReceiverEndpoint):
         self._wanted = False  # a want or probe is out and no delivery answered it yet
         self._probe = 0  # the number of the last probe sent
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
-        self._mail: Delivery | None = None  # the newest delivery read and not yet returned
         self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
 
     def start(self, deadline: Deadline) -> None:
@@ -94,13 +91,9 @@ class ZmqReceiver(EndpointBase, ReceiverEndpoint):
             self._wait(Deadline(_PROBE_WAIT_S), lambda: self._answer is not None)
             if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
                 self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
-            return self._take()
-        self._wait(deadline, lambda: self._mail is not None)
-        return self._take()
-
-    def _take(self) -> Delivery | None:
-        mail, self._mail = self._mail, None
-        return mail
+        else:
+            self._wait(deadline, lambda: self._mail is not None)
+        return super().recv(Deadline(0.0))
 
     def _wait(self, deadline: Deadline, done) -> None:
         """Read until ``done()``, the deadline or ``wake``."""
@@ -171,16 +164,8 @@ class ZmqReceiver(EndpointBase, ReceiverEndpoint):
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        frames = [first]
-        extra = 0
-        more = first.more
-        while more:
-            part = sock.recv(copy=False)
-            more = part.more
-            if len(frames) < 3:
-                frames.append(part)
-            else:
-                extra += 1
+        rest, extra = rest_of(sock, first, 2)
+        frames = [first, *rest]
         if len(frames) == 2 and bytes(memoryview(first)) in (CURRENT, NEWER):
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:
@@ -192,7 +177,7 @@ class ZmqReceiver(EndpointBase, ReceiverEndpoint):
         except TransportError:
             self._want()  # no ack follows: ask for the next version now
             raise
-        self._mail = Delivery(header, payload_tensor(payload))
+        self.put(Delivery(header, payload_tensor(payload)))
         self._answer = DATA
         return True
 

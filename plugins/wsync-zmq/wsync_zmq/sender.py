@@ -12,23 +12,20 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 import zmq
 import zmq.auth.thread
-from wsync_core import Buffer, TransportError
-from wsync_core.deadline import Deadline
-from wsync_core.endpoints import EndpointBase
+from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
 from wsync_core.forked import close_inherited
-from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 
-from .sockets import close_all, configure, log, monitor_events, wrap
+from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer
 
 __all__ = ["ZmqSender"]
 
-#: payloads up to this many bytes are copied into their frame (tracking a zero-copy frame costs more)
+#: payloads up to this many bytes are copied into their frame (a zero-copy frame costs more: pyzmq
+#: hands it back through its collector thread)
 _COPY_BELOW = 64 * 1024
 #: messages read from peers per poll at most (so a flood cannot starve the caller)
 _MAX_READS = 1000
@@ -37,22 +34,12 @@ _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVE
 
 
 @dataclass(eq=False)
-class _Slot(Buffer):
-    """A buffer with the trackers of the zero-copy frames still sending it."""
-
-    trackers: list[zmq.MessageTracker] = field(default_factory=list)
-
-    def sending(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
-        return bool(self.trackers)
-
-
-@dataclass
 class _Peer:
     rid: bytes
     fd: int
     fits: bool  # the worker's schema has the sender's digest: send it the payload
-    wants: bool = False  # it asked for a version and has not been sent one since
+    wants: bool = True  # it asked for a version and has not been sent one since (a hello asks)
+    sending: int = 0  # zero-copy payloads sent on this connection that libzmq still holds
 
 
 class _AllowList:
@@ -77,28 +64,21 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
-class ZmqSender(EndpointBase, SenderEndpoint):
-    """The base carries the lifecycle (``open``/``close`` once, a closed guard) and ``wake``."""
+class ZmqSender(SenderBase):
+    """The base carries the lifecycle, the events and the buffer pool; this class the sockets,
+    read and written in the caller's thread (``publish`` and ``poll``; the core serializes them)."""
 
     def __init__(self, options: dict, ctx: SenderContext) -> None:
-        super().__init__("zmq sender")
+        super().__init__("zmq sender", ctx)
         self._options = options
-        self._num_workers = ctx.num_workers
-        self._nbytes = ctx.layout.nbytes
-        self._digest = ctx.layout.digest
         self._context: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._poller = zmq.Poller()
-        self._slots: list[_Slot] = []
-        self._made = 0  # slots made so far (numbers them)
-        self._latest: _Slot | None = None
         self._peers: dict[int, _Peer] = {}
         self._workers: dict[bytes, int] = {}  # routing id -> worker
-        self._inflight: dict[int, zmq.MessageTracker] = {}
-        self._waiting: dict[int, tuple[_Slot, bytes]] = {}
-        self._events: list[Event] = []
+        self._waiting: dict[int, tuple[Buffer, bytes]] = {}  # worker -> the newest version it has not asked for yet
         self._local: int | str | None = None  # the TCP port or ipc path it listens on
 
     @property
@@ -133,94 +113,81 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         self._local = int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else bound[len("ipc://"):]
         _live.add(self)
 
-    # -- buffers ------------------------------------------------------------------------------
-    def acquire(self, deadline: Deadline) -> Buffer:
-        self.check_open()
-        busy = {slot for slot, _ in self._waiting.values()}
-        if self._latest is not None:
-            busy.add(self._latest)
-        free = [s for s in self._slots if s not in busy and not s.sending()]
-        if free:
-            for extra in free[1:]:  # keep one spare; the rest were only needed while peers lagged
-                self._slots.remove(extra)
-            return free[0]
-        self._made += 1
-        slot = _Slot(torch.empty(self._nbytes, dtype=torch.uint8), self._made)
-        self._slots.append(slot)
-        return slot
+    # -- sending ------------------------------------------------------------------------------
+    prefix_publish = True  # a delivery sends ``buffer.payload``, the first ``used`` bytes
 
-    #: publish() sends only the first ``buffer.used`` bytes (the core's deltas and wire dtypes)
-    prefix_publish = True
-
-    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
-        self.check_open()
-        if not isinstance(buffer, _Slot):
-            raise TransportError("zmq: publish() got a buffer that acquire() did not return")
+    def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        """Each worker gets ``buffer`` when it asks; until then it waits, held, replacing an older one."""
         self._read_peers()  # the wants that came in since the last poll
-        self._latest = buffer
         for w in workers:
             if w not in self._peers:
                 log.debug("zmq sender: worker %d is not connected; it gets the latest version when it joins", w)
                 continue
-            self._waiting[w] = (buffer, header)  # replaces an older version waiting for it
+            self.hold(buffer, w)
+            self._forget(w)
+            self._waiting[w] = (buffer, header)
             self._flush(w)
+
+    def _forget(self, w: int) -> None:
+        """Drop the version waiting for worker ``w``, if any."""
+        older = self._waiting.pop(w, None)
+        if older is not None:
+            self.let_go(older[0], w)
 
     def _flush(self, w: int) -> None:
         """Send worker ``w`` its waiting version if it asked for one and its previous one left."""
         peer = self._peers.get(w)
-        tracker = self._inflight.get(w)
-        if peer is None or not peer.wants or w not in self._waiting or tracker is not None and not tracker.done:
+        if peer is None or not peer.wants or peer.sending or w not in self._waiting:
             return
-        buffer, header = self._waiting.pop(w)
-        self._send(w, buffer, header)
-
-    def _send(self, w: int, slot: _Slot, header: bytes) -> None:
-        peer = self._peers[w]
+        buffer, header = self._waiting[w]
         sock = self._sock
         try:
             sock.send(peer.rid, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
-            self._waiting[w] = (slot, header)
-            return
+            return  # its queue is full: it stays waiting
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 self._drop(w, "its connection is gone")
                 return
             raise wrap(exc, f"sending to worker {w}") from exc
+        del self._waiting[w]
         sock.send(DATA, zmq.SNDMORE)
         sock.send(header, zmq.SNDMORE)
         peer.wants = False
-        buffer = slot.payload
-        if peer.fits and buffer.numel() <= _COPY_BELOW:  # small: a copy is cheaper than tracking a frame
-            sock.send(buffer.numpy(), copy=True)
-            self._inflight.pop(w, None)
+        payload = buffer.payload
+        if not peer.fits or payload.numel() <= _COPY_BELOW:
+            # small: a copy is cheaper than a zero-copy frame; a worker whose schema differs gets
+            # the header alone, which lets its core name the mismatch
+            sock.send(payload.numpy() if peer.fits else b"", copy=True)
+            self.let_go(buffer, w)
             return
-        if peer.fits:
-            frame = zmq.Frame(buffer.numpy(), copy=False, track=True)
-        else:  # the worker's schema differs: the header alone lets its core name the mismatch
-            frame = zmq.Frame(b"", copy=False, track=True)
-        tracker = sock.send(frame, copy=False, track=True)
-        del frame  # the frame's own reference would keep its tracker pending
-        self._inflight[w] = tracker
-        slot.trackers.append(tracker)
+        view = payload.numpy()  # libzmq holds it until the bytes left: then the buffer is free again
+        with self.cond:
+            peer.sending += 1
+        weakref.finalize(view, self._sent, buffer, w, peer).atexit = False
+        sock.send(view, copy=False)
+
+    def _sent(self, buffer: Buffer, w: int, peer: _Peer) -> None:
+        """libzmq let go of a payload (from pyzmq's collector thread, or any thread)."""
+        with self.cond:
+            peer.sending -= 1
+            self.let_go(buffer, w)
 
     # -- events -------------------------------------------------------------------------------
     def poll(self, deadline: Deadline) -> list[Event]:
         self.check_open()
-        events = self._drain()
-        while not events and not deadline.expired() and not self._woken:
+        self._drain()
+        while not self._events and not deadline.expired() and not self._woken:
             owed = any(self._peers[w].wants for w in self._waiting if w in self._peers)
             self._poller.poll(int(deadline.slice(0.02 if owed else 1.0) * 1000))
-            events = self._drain()
-        return events
+            self._drain()
+        return super().poll(Deadline(0.0))
 
-    def _drain(self) -> list[Event]:
+    def _drain(self) -> None:
         for w in list(self._waiting):
             self._flush(w)
         self._read_monitor()  # before peers: a connection's end is reported before a new hello
         self._read_peers()
-        events, self._events = self._events, []
-        return events
 
     def _read_monitor(self) -> None:
         for event in monitor_events(self._monitor):
@@ -247,18 +214,9 @@ class ZmqSender(EndpointBase, SenderEndpoint):
             except zmq.Again:
                 return
             rid, fd = rid_frame.bytes, _source_fd(rid_frame)
-            frames: list[bytes] = []
-            extra = 0
-            more = rid_frame.more
-            while more:
-                part = sock.recv(copy=False)
-                more = part.more
-                if len(frames) < 3:
-                    frames.append(part.bytes)
-                else:
-                    extra += 1
+            frames, extra = rest_of(sock, rid_frame, 3)
             try:
-                msg = decode_peer(frames, extra)
+                msg = decode_peer([f.bytes for f in frames], extra)
             except TransportError as exc:
                 log.warning("zmq sender ignored a message from peer %s: %s", rid.hex(), exc)
                 continue
@@ -268,9 +226,9 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         if msg.kind == HELLO:
             hello = msg.hello
             w = hello.worker
-            if not w < self._num_workers:
+            if not w < self.ctx.num_workers:
                 log.warning("zmq sender ignored a hello from peer %s claiming worker %d (num_workers=%d)",
-                            rid.hex(), w, self._num_workers)
+                            rid.hex(), w, self.ctx.num_workers)
                 return
             old = self._peers.get(w)
             if old is not None and old.rid != rid:
@@ -280,12 +238,11 @@ class ZmqSender(EndpointBase, SenderEndpoint):
             stale = self._workers.get(rid)
             if stale is not None and stale != w:
                 self._drop(stale, f"its connection now claims worker {w}")
-            self._inflight.pop(w, None)
-            self._waiting.pop(w, None)
-            # a hello asks for the current version
-            self._peers[w] = _Peer(rid, fd, hello.digest == self._digest and hello.nbytes == self._nbytes, True)
+            self._forget(w)
+            layout = self.ctx.layout
+            self._peers[w] = _Peer(rid, fd, hello.digest == layout.digest and hello.nbytes == layout.nbytes)
             self._workers[rid] = w
-            self._events.append(Joined(w))
+            self.emit(Joined(w))
             return
         w = self._workers.get(rid)
         if w is None and msg.kind == BYE:  # (also after its connection's end was already seen)
@@ -293,7 +250,7 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         elif w is None:
             log.warning("zmq sender ignored an ack from peer %s, which has not said hello", rid.hex())
         elif msg.kind == ACK:  # an ack also asks for the next version
-            self._events.append(Acked(w, msg.data))
+            self.emit(Acked(w, msg.data))
             self._peers[w].wants = True
             self._flush(w)
         elif msg.kind in (WANT, PROBE):
@@ -318,9 +275,8 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         peer = self._peers.pop(w, None)
         if peer is not None:
             self._workers.pop(peer.rid, None)
-        self._inflight.pop(w, None)
-        self._waiting.pop(w, None)
-        self._events.append(Left(w, reason))
+        self._forget(w)
+        self.emit(Left(w, reason))
 
     def stop(self) -> None:
         _live.discard(self)
@@ -333,10 +289,7 @@ class ZmqSender(EndpointBase, SenderEndpoint):
         if auth is not None:
             auth.stop()
         close_all(context, monitor, sock)
-        self._slots.clear()
-        self._latest = None
         self._waiting.clear()
-        self._inflight.clear()
 
 
 _live: weakref.WeakSet[ZmqSender] = weakref.WeakSet()

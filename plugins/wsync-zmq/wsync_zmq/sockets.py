@@ -11,7 +11,7 @@ import zmq
 import zmq.utils.garbage
 from wsync_core import TransportError
 
-__all__ = ["log", "configure", "monitor_events", "close_all", "wrap"]
+__all__ = ["log", "configure", "monitor_events", "rest_of", "close_all", "wrap"]
 
 log = logging.getLogger("wsync.zmq")
 
@@ -37,6 +37,20 @@ def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
     while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         events.append(recv_monitor_message(monitor))
     return events
+
+
+def rest_of(sock: zmq.Socket, first: zmq.Frame, keep: int) -> tuple[list[zmq.Frame], int]:
+    """The frames of ``first``'s message after it: the first ``keep``, and how many more were discarded."""
+    frames: list[zmq.Frame] = []
+    extra, more = 0, first.more
+    while more:
+        part = sock.recv(copy=False)
+        more = part.more
+        if len(frames) < keep:
+            frames.append(part)
+        else:
+            extra += 1
+    return frames, extra
 
 
 def wrap(exc: zmq.ZMQError, what: str) -> TransportError:

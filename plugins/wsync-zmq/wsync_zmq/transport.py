@@ -29,8 +29,6 @@ _TCP = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d
 _WILDCARDS = {"*", "0.0.0.0", "[::]", "[*]"}
 
 
-
-
 def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
     if not isinstance(value, str):
         raise TypeError(f"zmq option {option} must be a string like 'tcp://127.0.0.1:5555', got {value!r}")
