@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from core_helpers import same
 from wsync_core import TransportError, WeightSyncScheme
@@ -55,9 +55,11 @@ def cast(weights: dict[str, torch.Tensor], wire: torch.dtype | None) -> dict[str
 @given(seeds=st.lists(st.integers(0, 2**31), min_size=1, max_size=4),
        shares=st.lists(st.sampled_from([0.0, 0.001, 0.05, 0.6, 1.0]), min_size=4, max_size=4),
        wire=st.sampled_from([None, torch.bfloat16, torch.float16]), base_back=st.integers(1, 3))
+@example(seeds=[44557], shares=[0.05, 0.05, 0.05, 0.001], wire=torch.float16, base_back=2)  # a NaN widened two ways
 def test_mirror_round_trip_is_bit_exact(seeds, shares, wire, base_back) -> None:
     """A receiver at any kept base applies the mirror's delta and equals the newest version
-    (cast through the wire dtype) bit for bit: every dtype, NaN payloads, -0.0."""
+    (cast through the wire dtype) bit for bit: every dtype, NaN payloads, -0.0 (after a cast, NaN
+    as NaN: torch widens a NaN's payload differently in its vectorized and scalar loops)."""
     weights = model_of(seeds[0])
     layout = Layout.of(weights)
     mirror = Mirror(layout, None if wire is None else {torch.bfloat16: "bfloat16", torch.float16: "float16"}[wire],
@@ -81,7 +83,16 @@ def test_mirror_round_trip_is_bit_exact(seeds, shares, wire, base_back) -> None:
     target = {k: x.clone() for k, x in held[base].items()}
     ops = decode_table(encoded.table, layout, mirror.wire, encoded.nbytes, "test")
     apply_ops(ops, check_indices(ops, payload, "test"), payload, target)
-    assert same(target, held[newest])
+    if wire is None:
+        assert same(target, held[newest])
+    else:  # a NaN's payload after a widening cast depends on torch's path (vectorized or not): NaN stays NaN
+        assert same(nan_canonical(target), nan_canonical(held[newest]))
+
+
+def nan_canonical(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with every floating NaN replaced by the one canonical NaN."""
+    return {k: torch.where(t.isnan(), torch.full_like(t, float("nan")), t) if t.is_floating_point() else t
+            for k, t in weights.items()}
 
 
 def test_delta_sends_only_changes_and_stays_exact(cluster) -> None:
