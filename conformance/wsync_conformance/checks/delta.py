@@ -78,7 +78,7 @@ class DeltaChecks:
             partial = s.scheme._role._moves_prefix()  # else the transport moves whole buffers, deltas or not
             if share <= 0.01 and (sorted(report.delta_workers) != [0, 1]
                                   or partial and report.nbytes >= report.full_nbytes):
-                raise violated("exact", f"version {v} changed {"?" if report.changed is None else format(report.changed, ".3%")} of the elements but went as "
+                raise violated("exact", f"version {v} changed {'?' if report.changed is None else format(report.changed, '.3%')} of the elements but went as "
                                         f"{report.worker_nbytes} bytes (full: {report.full_nbytes}), deltas to "
                                         f"{report.delta_workers}")
 
