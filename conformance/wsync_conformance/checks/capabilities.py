@@ -107,8 +107,8 @@ class CapabilityChecks:
             pytest.skip(f"multi_host is declared but cannot be tested here: {reason}")
         spec = version_spec()
         with netns.hosts(2, local=True) as (here, there), contextlib.ExitStack() as stack:
-            # optional: a runtime the transport needs on both hosts (e.g. a Ray node on each), a
-            # context manager given both hosts, yielding options merged over multi_host_options'
+            # optional: a runtime the transport needs on every host (e.g. a Ray node on each), a
+            # context manager given the hosts (this one first), yielding options merged over multi_host_options'
             setup = getattr(self, "multi_host_setup", None)
             with watchdog.paused():
                 extra = dict(stack.enter_context(setup(here, there))) if setup is not None else {}

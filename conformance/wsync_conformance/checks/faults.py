@@ -90,11 +90,15 @@ class Cluster:
     fresh: some transports fix a process's address at its first endpoint. ``expected[v]`` holds the
     sender's digests of version ``v``."""
 
-    def __init__(self, wsync: Context, hook, spec: ModelSpec, stack: contextlib.ExitStack) -> None:
+    def __init__(self, wsync: Context, hook, spec: ModelSpec, stack: contextlib.ExitStack, setup=None) -> None:
         self.ctx, self.spec = wsync, spec
         t0 = time.monotonic()
         self.here, self.near, self.remote = stack.enter_context(netns.hosts(3, local=True))
-        target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(self.here.address))})
+        extra = {}
+        if setup is not None:  # a runtime the transport needs on every host (a Ray node on each)
+            with watchdog.paused():
+                extra = dict(stack.enter_context(setup(self.here, self.near, self.remote)))
+        target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(self.here.address)), **extra})
         local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
         local.init_on_sender(model=build(spec), num_workers=2)  # resolves the options receivers need
         self.blob = pickle.loads(pickle.dumps(local))
@@ -204,7 +208,7 @@ class Cluster:
 def _cluster(suite: Any, wsync: Context, spec: ModelSpec) -> Iterator[Cluster]:
     hook = _require_hosts(suite, wsync)
     with contextlib.ExitStack() as stack:
-        yield Cluster(wsync, hook, spec, stack)
+        yield Cluster(wsync, hook, spec, stack, getattr(suite, "multi_host_setup", None))
 
 
 class FaultChecks:

@@ -3,6 +3,7 @@ of object store); the suite's receiver processes join it as Ray drivers. ``multi
 cluster of its own: a head node on this host's bridge address and a second node in the other
 network namespace, so the receiver there is a Ray driver of another node of the same cluster."""
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,22 +24,24 @@ class TestRay(TransportSuite):
         return Target(self.transport, {"address": ray_head.address})
 
     def multi_host_options(self, host_address: str) -> dict:
-        """The two-node cluster's address, once ``multi_host_setup`` started it; a check across
-        hosts that does not enter that hook first is skipped (ray's hosts are Ray nodes, which
+        """The cluster's address, once ``multi_host_setup`` started it; a check across hosts that
+        does not enter that hook first is skipped (ray's hosts are Ray nodes, which
         the transport cannot start from options alone)."""
         address = getattr(self, "_cluster_address", None)
         if address is None:
             pytest.skip("ray's hosts are nodes of one Ray cluster: a check across hosts must enter the suite's "
-                        "multi_host_setup(here, there) hook, which starts a Ray node on each")
+                        "multi_host_setup(here, *others) hook, which starts a Ray node on each")
         return {"address": address}
 
     @contextmanager
-    def multi_host_setup(self, here: Host, there: Host) -> Iterator[dict]:
-        """A two-node Ray cluster: the head on ``here`` (this namespace, at its bridge address),
-        a node on ``there``; every process of both is stopped on exit."""
-        with RayNode(num_cpus=1, object_store_mib=256, node_ip=here.address) as head, \
-                RayNode(num_cpus=1, object_store_mib=256, head=head.address, node_ip=there.address,
-                        prefix=there.prefix):
+    def multi_host_setup(self, here: Host, *others: Host) -> Iterator[dict]:
+        """A Ray cluster of one node per host: the head on ``here`` (this namespace, at its bridge
+        address), a node on each of ``others``; every process of every node is stopped on exit."""
+        with contextlib.ExitStack() as stack:
+            head = stack.enter_context(RayNode(num_cpus=1, object_store_mib=256, node_ip=here.address))
+            for there in others:
+                stack.enter_context(RayNode(num_cpus=1, object_store_mib=256, head=head.address,
+                                            node_ip=there.address, prefix=there.prefix))
             self._cluster_address = head.address
             try:
                 yield {}
