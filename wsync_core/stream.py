@@ -15,7 +15,13 @@ do the same (override ``write``/``read_into`` for other calls). The bases own:
   before the hello, compared in constant time.
 - **one I/O thread per endpoint** that never blocks on one peer: non-blocking streams, one
   output queue per connection, newest-wins (a newer publish replaces an unsent older one: at
-  most one version waits per worker beyond the one being written).
+  most one version waits per worker beyond the one being written, and it follows that one at once).
+- **no stale version after a pause**: a receiver whose ``recv`` finds something that came or
+  began coming before it was called (a delivery waiting, one half read, bytes unread) sends a
+  probe; the sender answers it right after the newest version it held when the probe came (at
+  once if that one is written already), and ``recv`` returns what it holds once the answer is in.
+  A worker that was away (frozen, busy) so never applies a version that something newer had
+  replaced before it asked; one that waits in ``recv`` when a version comes takes it at once.
 - **membership**: a hello names the worker; a new hello for a worker replaces its connection
   (``Joined`` again); a connection that ends, errs, breaks the protocol or is silent for
   ``heartbeat`` seconds is reported ``Left``. Each side pings when idle, so a cut link is
@@ -32,6 +38,7 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import selectors
 import struct
 import threading
@@ -76,7 +83,7 @@ _live: weakref.WeakSet[_Loop] = weakref.WeakSet()
 class Kind:
     """Frame kinds. ``a``/``b`` of the prefix, per kind: see ``_sizes``."""
 
-    CHALLENGE, RESPONSE, PROOF, HELLO, DELIVER, ACK, BYE, PING = range(1, 9)
+    CHALLENGE, RESPONSE, PROOF, HELLO, DELIVER, ACK, BYE, PING, PROBE, ANSWER = range(1, 11)
 
 
 class Stream(Protocol):
@@ -106,6 +113,8 @@ def _sizes(kind: int, a: int, b: int, payload_max: int) -> tuple[int, int]:
         return a, 0
     if kind in (Kind.HELLO, Kind.PING) and a <= 0xFFFF and b <= 1 << 48:
         return 0, 0  # HELLO: a = worker index, b = its layout's nbytes
+    if kind in (Kind.PROBE, Kind.ANSWER) and b == 0:
+        return 0, 0  # a = the probe's number
     if kind == Kind.DELIVER:  # a = header bytes, b = payload bytes
         if a > MAX_HEADER_BYTES or b > payload_max:
             raise Violation(f"a delivery of {a} header and {b} payload bytes exceeds the limits "
@@ -193,6 +202,11 @@ class _Reader:
         self._start()
         return done
 
+    @property
+    def busy(self) -> bool:
+        """Whether a frame is partly read."""
+        return self.stage != 0 or self.pos != 0
+
 
 class _Conn:
     """One connection: its stream, reader, output queue and what it is (``stage``, ``worker``)."""
@@ -205,6 +219,9 @@ class _Conn:
         self.out: deque[memoryview] = deque()
         self.writing: Buffer | None = None  # the buffer whose payload ``out`` holds
         self.pending: tuple[Buffer, bytes] | None = None  # the newest delivery not yet queued
+        self.published = 0  # deliveries to this connection so far (the sender numbers them)
+        self.pending_no = self.writing_no = 0  # the numbers of ``pending`` and ``writing``
+        self.probe: tuple[int, int] | None = None  # a probe to answer: its number, and after which delivery
         self.born = self.seen = self.said = time.monotonic()
 
     def push(self, data: bytes) -> None:
@@ -410,7 +427,8 @@ class StreamSender(_Loop, SenderBase):
                 continue  # gone since: its Left is (or was) reported by poll
             if conn.pending is not None:
                 self.let_go(conn.pending[0], w)  # newest wins
-            conn.pending = (buffer, header)
+            conn.published += 1
+            conn.pending, conn.pending_no = (buffer, header), conn.published
             self.hold(buffer, w)
             if conn.writing is None and not conn.out:  # idle: start here, saving a thread switch
                 try:
@@ -508,6 +526,10 @@ class StreamSender(_Loop, SenderBase):
             if len(self._events) >= _MAX_EVENTS:
                 raise Violation(f"{_MAX_EVENTS} events are waiting for poll(); one ack per delivery is expected")
             self.emit(Acked(conn.worker, f.body))
+        elif f.kind == Kind.PROBE:
+            conn.probe = (f.a, conn.published)
+            if conn.writing is None and conn.pending is None:  # the newest is written already
+                self._answer(conn)
         elif f.kind == Kind.BYE:
             self._drop(conn, "receiver shut down")
 
@@ -520,7 +542,7 @@ class StreamSender(_Loop, SenderBase):
         if old is not None:  # a reconnection: the new connection wins (no Left: it is not in conns)
             self._drop(old, f"worker {worker} connected again")
         conn.stage, conn.worker, conn.fits = "worker", worker, nbytes == self.ctx.layout.nbytes
-        conn.reader.accept = frozenset({Kind.ACK, Kind.BYE, Kind.PING})
+        conn.reader.accept = frozenset({Kind.ACK, Kind.BYE, Kind.PING, Kind.PROBE})
         self.conns[worker] = conn
         self.emit(Joined(worker))
 
@@ -534,20 +556,36 @@ class StreamSender(_Loop, SenderBase):
         self._drop(conn, reason)
 
     def _queue(self, conn: _Conn, watch: bool = True) -> None:
-        """Queue the pending delivery once the previous one is written."""
+        """Queue the pending delivery once the previous one is written, and write."""
+        self._enqueue(conn)
+        self._flush(conn, watch)
+
+    def _enqueue(self, conn: _Conn) -> None:
         buffer, header = conn.pending
-        conn.pending, conn.writing = None, buffer
+        conn.pending, conn.writing, conn.writing_no = None, buffer, conn.pending_no
         payload = buffer.payload
         size = payload.numel() if conn.fits else 0
         conn.push(frame(Kind.DELIVER, header, len(header), size))
         if size:
             conn.out.append(memoryview(payload.numpy()).cast("B"))
-        self._flush(conn, watch)
+
+    def _answer(self, conn: _Conn) -> None:
+        """Answer the probe: everything the worker was sent before this frame is all there is."""
+        if sum(len(v) for v in conn.out) > _MAX_BACKLOG:
+            raise Violation(f"it probes faster than it reads ({_MAX_BACKLOG} bytes unread)")
+        conn.push(frame(Kind.ANSWER, a=conn.probe[0]))
+        conn.probe = None
 
     def _written(self, conn: _Conn) -> None:
+        """What ``conn.out`` held is written: let the delivery go, answer a probe that waited for
+        it, and queue the pending delivery right behind (``_flush`` writes on)."""
         if conn.writing is not None:
             buffer, conn.writing = conn.writing, None
             self.let_go(buffer, conn.worker)
+            if conn.probe is not None and conn.writing_no >= conn.probe[1]:
+                self._answer(conn)
+        if conn.pending is not None:
+            self._enqueue(conn)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
         if conn.stream is None:
@@ -565,7 +603,7 @@ class StreamSender(_Loop, SenderBase):
         for buffer in (conn.writing, conn.pending and conn.pending[0]):
             if buffer is not None:
                 self.let_go(buffer, conn.worker)
-        conn.writing = conn.pending = None
+        conn.writing = conn.pending = conn.probe = None
         try:
             self.selector.unregister(conn.stream)
         except (KeyError, ValueError):
@@ -611,6 +649,8 @@ class StreamReceiver(_Loop, ReceiverBase):
         self.adopt = zero_copy_for(adopt, ctx)
         self.conn: _Conn | None = None
         self._spare: list[torch.Tensor] = []
+        self._probes = 0  # the number of the last probe sent
+        self._answered = 0  # the number of the last probe the sender answered
 
     def connect(self, timeout: float) -> Stream:
         """A stream connected to the sender, within about ``timeout`` seconds; raise OSError if
@@ -625,6 +665,33 @@ class StreamReceiver(_Loop, ReceiverBase):
     def stop(self) -> None:
         self._teardown()  # the I/O thread says goodbye to the sender on its way out
         self._spare.clear()
+
+    def recv(self, deadline: Deadline) -> Delivery | None:
+        """The newest delivery, waiting for one until the deadline; None if none came. If something
+        came or began coming before this call, first ask the sender (a probe) and wait, until the
+        deadline, for its answer, which follows the newest version it held: so what this returns
+        is never older than what was published before the call. With no time to wait, what has
+        arrived. Raises TransportError if closed or failed with nothing left to deliver."""
+        with self.cond:
+            self.check_open()
+            conn = self.conn
+            if conn is not None and conn.stage == "live" and not deadline.expired() and self._waited(conn):
+                self._probes += 1
+                probe = self._probes
+                conn.push(frame(Kind.PROBE, a=probe))
+                self._kick()
+                self.wait_until(lambda: self._answered >= probe or self.conn is not conn
+                                or self._failure is not None, deadline)
+        return super().recv(deadline)
+
+    def _waited(self, conn: _Conn) -> bool:
+        """Whether a delivery waits, is partly read, or unread bytes are there (with ``self.cond`` held)."""
+        if self._mail is not None or conn.reader.busy:
+            return True
+        try:
+            return bool(select.select([conn.stream], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: the I/O thread reconnects
+            return False
 
     def ack(self, data: bytes) -> None:
         """Queue ``data`` for the sender; dropped while disconnected (the sender re-publishes on the
@@ -714,7 +781,8 @@ class StreamReceiver(_Loop, ReceiverBase):
         return None
 
     def _live(self, conn: _Conn) -> None:
-        conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE})
+        conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE,
+                                                            Kind.ANSWER})
         conn.push(frame(Kind.HELLO, a=self.ctx.worker_idx, b=self.ctx.layout.nbytes))
 
     def _frame(self, conn: _Conn, f: Frame) -> str | None:
@@ -734,6 +802,9 @@ class StreamReceiver(_Loop, ReceiverBase):
             if f.body:
                 return f"the sender refused this worker: {f.body.decode('utf-8', 'replace')}{hint}"
             raise EOFError("the sender shut down")
+        elif f.kind == Kind.ANSWER:
+            self._answered = max(self._answered, f.a)
+            self.cond.notify_all()
         elif f.kind == Kind.DELIVER:
             payload = f.payload
             if payload is None and f.b == 0:

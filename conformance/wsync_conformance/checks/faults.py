@@ -4,7 +4,9 @@ their update, and the scheme stays usable.
 - ``test_faults_slow_worker_gets_newest`` (every transport, one host): a worker that stops
   calling ``receive()`` while the sender keeps sending (``sync=False``) applies the newest version
   when it resumes, never a stale queued one, and the sender's memory grows by at most two model
-  sizes meanwhile (one version being written to it and one pending, plus allocator slack).
+  sizes meanwhile (one version being written to it and one pending, plus allocator slack). A
+  process worker freezes whole (SIGSTOP) with a version waiting in it and the next one in flight,
+  and wakes while the trainer holds its GIL, so a stale version is certainly at hand when it resumes.
 - For transports that declare ``multi_host``, with real processes in separate network namespaces
   (``wsync_conformance.netns``; skipped with the reason where they cannot be made), the sender in
   a fresh process on this host, the worker that keeps working and the worker at fault each
@@ -24,8 +26,9 @@ import contextlib
 import os
 import pickle
 import signal
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -46,6 +49,8 @@ KILL_MOMENTS: tuple[str, ...] = ("before", "during", "after")
 KILL_SIZES_KIB: tuple[int, ...] = (10, 4 << 10, 64 << 10, 256 << 10)
 #: the slow-worker check: model size (MiB) and versions sent while the worker sleeps
 SLOW_MIB, SLOW_VERSIONS = 8.0, 6
+#: how long the trainer stays busy (holding its GIL) as the slow worker wakes
+WAKE_BUSY_S = 0.5
 #: errors a receiver may report once its sender is gone
 _SENDER_GONE = (None, "TransportError", "WorkerTimeoutError")
 
@@ -221,7 +226,12 @@ class FaultChecks:
         """A worker that stops calling receive() for a few seconds while the sender keeps sending
         (sync=False) to everyone: its next receive() applies exactly the newest version, never a
         stale queued one; the sender grows by at most two model sizes (what it writes to the slow
-        worker and one pending version) plus one of allocator slack; the others kept up."""
+        worker and one pending version) plus one of allocator slack; the others kept up.
+
+        The scene leaves nothing to a race: the first of those versions reaches the worker while it
+        does not receive (it waits there), then the worker's process freezes (a GC pause) before
+        the next is sent, so one is certainly in flight to it, unread; its receive() is asked while
+        it still sleeps, and it wakes while the trainer holds its GIL (see ``_trainer_busy``)."""
         spec = many_spec("state_dict", SLOW_MIB)
         s = wsync.session(spec, n=3, sync=False)
         model_bytes = int(SLOW_MIB * (1 << 20))
@@ -230,23 +240,40 @@ class FaultChecks:
             s.send()
         slow = s.workers[1]
         frozen = wsync.process and slow.pid is not None  # a process pauses whole (a GC pause, SIGSTOP)
-        if frozen:
-            os.kill(slow.pid, signal.SIGSTOP)
+        asleep = False
+
+        def freeze() -> None:
+            nonlocal asleep
+            if frozen:
+                os.kill(slow.pid, signal.SIGSTOP)
+                asleep = True
+
         try:
             with s.following([0, 2]) as reports:
-                grown = _keep_sending(wsync, s, spec)
-        finally:
+                grown = _keep_sending(wsync, s, spec, freeze)
+            latest = s.scheme.version
+            for i in (0, 2):
+                if reports[i].get("errors"):
+                    err = reports[i]["errors"][0]
+                    raise violated("live", f"worker {i} raised while the slow worker slept: {err['error']}: {err['message']}")
+                if not reports[i].get("applied") or max(reports[i]["applied"]) != latest:
+                    _settle(s, i, latest)
             if frozen:
+                # receive() is asked while the worker still sleeps, and it wakes while this process
+                # (the trainer) is busy in Python: a sender whose I/O needs this process's GIL cannot
+                # write meanwhile, so receive() starts with a stale version waiting, another at most
+                # partly arrived and the newest not begun. What it returns is the transport's own
+                # answer, never the luck of a race with the newest version's arrival.
+                slow.call_async("receive", timeout=wsync.timeout)
+                with _trainer_busy(WAKE_BUSY_S):
+                    os.kill(slow.pid, signal.SIGCONT)
+                    asleep = False
+                reply = slow.recv(wsync.timeout + 60.0, "answer to receive()")
+            else:
+                reply = slow.call("receive", timeout=wsync.timeout)
+        finally:
+            if asleep:
                 os.kill(slow.pid, signal.SIGCONT)
-        latest = s.scheme.version
-        for i in (0, 2):
-            if reports[i].get("errors"):
-                err = reports[i]["errors"][0]
-                raise violated("live", f"worker {i} raised while the slow worker slept: {err['error']}: {err['message']}")
-            if not reports[i].get("applied") or max(reports[i]["applied"]) != latest:
-                _settle(s, i, latest)
-        time.sleep(0.5)  # the newest publish is on its way to the slow worker as it was to the others
-        reply = slow.call("receive", timeout=wsync.timeout)
         if reply.error:
             raise violated("live", f"the slow worker's receive() raised {reply.error}: {reply.get('message')}")
         got = reply.get("result")
@@ -443,9 +470,10 @@ def _replace_worker(c: Cluster, wsync: Context, wait: float) -> None:
         c.check(i, c.version, "a send to the survivor and the replacement")
 
 
-def _keep_sending(wsync: Context, s, spec: ModelSpec) -> int | None:
-    """SLOW_VERSIONS sends to everyone, ``sync=False``, 0.3 s apart; returns how many
-    bytes this process (the sender) grew at most meanwhile (None: not measured)."""
+def _keep_sending(wsync: Context, s, spec: ModelSpec, after_first: Callable[[], None]) -> int | None:
+    """SLOW_VERSIONS sends to everyone, ``sync=False``, 0.3 s apart, calling ``after_first()`` 0.3 s
+    after the first; returns how many bytes this process (the sender) grew at most meanwhile (None:
+    not measured)."""
     base = rss_bytes() if wsync.process else None  # thread receivers share this process's memory
     peak = base
     for step in range(SLOW_VERSIONS):
@@ -461,7 +489,24 @@ def _keep_sending(wsync: Context, s, spec: ModelSpec) -> int | None:
         now = rss_bytes()
         peak = max(peak, now) if now is not None and peak is not None else None
         time.sleep(0.3)  # the slow worker sleeps through the whole loop: a few seconds
+        if step == 0:
+            after_first()
     return None if base is None or peak is None else peak - base
+
+
+@contextlib.contextmanager
+def _trainer_busy(seconds: float) -> Iterator[None]:
+    """Run the block, then keep this process busy in Python for ``seconds``, holding the GIL the
+    whole time (the switch interval is raised so no other thread of this process runs meanwhile)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 5.0)
+    try:
+        yield
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def _settle(s, i: int, latest: int) -> None:
