@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from wsync_core import (
     Acked,
     Buffer,
@@ -137,7 +138,11 @@ class RaySender(SenderEndpoint):
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
         try:
-            self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0).remote()
+            # on the sender's own node: a mailbox on a worker's node would take every worker down
+            # with that node (a cut link, a preempted host)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0,
+                                              scheduling_strategy=here).remote()
         except ValueError as exc:
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
                                  f"sender: {exc}") from exc

@@ -64,7 +64,7 @@ class DistributedReceiver(ReceiverBase):
         self.beat_at = time.monotonic()  # when a heartbeat last reached the sender's store
         self.pool: list[torch.Tensor] = []
         self.held: set[int] = set()  # slots the core holds, or that wait in the mailbox or for a commit
-        self.filled: tuple[int, int] | None = None  # (seq, slot): received in full, not yet committed
+        self.filled: tuple[int, int, int] | None = None  # (seq, slot, nbytes): received in full, not yet committed
         self.stopped = threading.Event()
         self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
@@ -147,11 +147,14 @@ class DistributedReceiver(ReceiverBase):
                     return None
                 self.cond.wait(deadline.slice(1.0))
 
-    def _deliver(self, store: dist.Store, inbox: str, slot: int, header: bytes) -> None:
-        """Hand the buffer in ``slot`` to the core, if the sender still serves this worker under
-        ``inbox``; else free it (the worker joins again and gets the newest version then)."""
+    def _deliver(self, store: dist.Store, inbox: str, slot: int, header: bytes, nbytes: int) -> None:
+        """Hand the first ``nbytes`` of the buffer in ``slot`` (what the sender published) to the
+        core, if the sender still serves this worker under ``inbox``; else free it (the worker
+        joins again and gets the newest version then)."""
         if self._served(store, inbox):
-            self.put(Delivery(header, self.pool[slot], lambda: self._release(slot), adoptable=True))
+            buffer = self.pool[slot]
+            payload = buffer if nbytes == buffer.numel() else buffer[:nbytes]
+            self.put(Delivery(header, payload, lambda: self._release(slot), adoptable=True))
         else:
             self._release(slot)
 
@@ -247,7 +250,7 @@ class DistributedReceiver(ReceiverBase):
                 with self.cond:
                     filled, self.filled = self.filled, None
                 if filled is not None and filled[0] == ctl.seq:
-                    self._deliver(store, self.inbox, filled[1], header)
+                    self._deliver(store, self.inbox, filled[1], header, filled[2])
                 elif filled is not None:
                     self._release(filled[1])
             elif ctl.kind == "abort":
@@ -336,10 +339,10 @@ class DistributedReceiver(ReceiverBase):
         if slot is None:
             return
         if header:
-            self._deliver(store, inbox, slot, header)
+            self._deliver(store, inbox, slot, header, ctl.nbytes)
         else:
             with self.cond:
-                self.filled = (ctl.seq, slot)
+                self.filled = (ctl.seq, slot, ctl.nbytes)
 
 
 def _settle(works: list, timeout: float) -> None:
