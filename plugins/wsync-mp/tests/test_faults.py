@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mp_fault_workers as fw  # noqa: E402
 from wsync_core.framing import PREFIX  # noqa: E402
+from wsync_core.protocol import Ack  # noqa: E402
 from wsync_mp.wire import FRAMING, NONCE_BYTES, Kind, mac  # noqa: E402
 
 TIMEOUT = 60.0
@@ -237,7 +238,11 @@ def test_nothing_unpickled_in_receivers(pool, sender_scheme):
 def _raw_connect(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
-    sock.connect(b"\0" + address[1:].encode())
+    try:
+        sock.connect(b"\0" + address[1:].encode())
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -267,6 +272,45 @@ def test_sender_drops_hostile_clients(garbage, pool, sender_scheme):
         hostile.close()
     _fill(model, 1)
     assert scheme.send() == 1  # the real worker 0 was not displaced
+    assert _latest([out], 1) == [1]
+
+
+def test_sender_drops_a_worker_that_probes_without_reading(pool, sender_scheme):
+    """An authenticated worker that floods probes and never reads the answers is dropped once its
+    queue holds _MAX_QUEUED frames; the sender's memory stays bounded and the others keep being updated."""
+    scheme, model = sender_scheme(num_workers=2, authkey="probe-flood")
+    p = pool()
+    _, out = p.worker(pickle.dumps(scheme), 0)
+    connecting = threading.Thread(target=scheme.connect)  # it listens, then waits for both workers
+    connecting.start()
+    end = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            hostile = _raw_connect(scheme.transport.options["address"])
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < end, "the sender never listened"
+            time.sleep(0.05)
+    try:
+        hostile.settimeout(TIMEOUT)
+        challenge = hostile.recv(PREFIX.size + NONCE_BYTES, socket.MSG_WAITALL)[PREFIX.size:]
+        nonce = os.urandom(NONCE_BYTES)
+        hostile.sendall(FRAMING.encode(Kind.RESPONSE, mac(b"probe-flood", b"receiver", challenge) + nonce)
+                        + FRAMING.encode(Kind.HELLO, arg=1)
+                        + FRAMING.encode(Kind.ACK, Ack(1, 0).encode()))  # it "holds" version 0
+        connecting.join(TIMEOUT)
+        assert not connecting.is_alive()
+        _latest([out], 0)
+        flood = FRAMING.encode(Kind.PROBE, arg=1) * 4096
+        with pytest.raises(OSError):  # the sender drops it: a reset, or a full buffer never drained
+            for _ in range(64):  # 256 Ki probes: their answers far exceed the socket's buffer
+                hostile.sendall(flood)
+    finally:
+        hostile.close()
+    _fill(model, 1)
+    with pytest.raises(WorkerTimeoutError) as raised:
+        scheme.send()
+    assert raised.value.workers == [1]
     assert _latest([out], 1) == [1]
 
 

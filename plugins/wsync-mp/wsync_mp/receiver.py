@@ -1,7 +1,10 @@
 """A worker's side of ``mp``: connect, authenticate, then a reader thread that keeps the newest notification.
 
 The reader releases a notification as soon as a newer one arrives, so a worker that calls
-``receive`` rarely still pins at most two of the sender's slots. Payloads are private
+``receive`` rarely still pins at most two of the sender's slots. A ``recv`` that finds a
+notification waiting, or bytes unread, probes first and waits (until its deadline) for the
+sender's answer, which follows the newest version the sender held: a worker that was away never
+applies a version that something newer had replaced before it asked. Payloads are private
 copy-on-write maps of the sender's sealed slots, which the core adopts as the model's tensors
 (``zero_copy``) and releases when the model moves on; or read-only maps it copies
 from.
@@ -59,6 +62,8 @@ class MpReceiver(ReceiverEndpoint):
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         self.closing = False
         self.woken = False              # the scheme is shutting down: recv returns at once
+        self.probes = 0                 # the number of the last probe sent
+        self.answered = 0               # the number of the last probe the sender answered
 
     # -- ReceiverEndpoint --------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -76,6 +81,21 @@ class MpReceiver(ReceiverEndpoint):
         self.thread.start()
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        """The newest notification's payload, waiting until the deadline; None if none came. If one
+        waited (or bytes were unread) when called, first probe and wait for the answer, so what this
+        returns is never older than what the sender published before the call. Raises
+        TransportError once the connection failed and nothing is left to deliver."""
+        with self.cond:
+            waited = self.ended is None and not self.woken and not deadline.expired() and self._waited()
+            if waited:
+                self.probes += 1
+                probe = self.probes
+        if waited:
+            self._send(FRAMING.encode(Kind.PROBE, arg=probe))
+            with self.cond:
+                while (self.answered < probe and self.ended is None and not self.woken
+                       and not deadline.expired()):
+                    self.cond.wait(deadline.slice(1.0))
         with self.cond:
             while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
                 self.cond.wait(deadline.slice(1.0))
@@ -87,6 +107,7 @@ class MpReceiver(ReceiverEndpoint):
             index, header = self.newest
             self.newest = None
             mapped = self.maps.get(index)
+        self._send(FRAMING.encode(Kind.SEEN, arg=index))  # taken: the sender may notify the next one
         released = False
 
         def release() -> None:
@@ -101,6 +122,15 @@ class MpReceiver(ReceiverEndpoint):
             payload = map_private(self.slot_fds[index], 0, self.nbytes)
             return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
         return Delivery(header, mapped[1], release)
+
+    def _waited(self) -> bool:
+        """Whether a notification waits or bytes are unread (with ``self.cond`` held)."""
+        if self.newest is not None:
+            return True
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: the reader reports it
+            return False
 
     def ack(self, data: bytes) -> None:
         self._send(FRAMING.encode(Kind.ACK, data))
@@ -171,7 +201,7 @@ class MpReceiver(ReceiverEndpoint):
 
     # -- the reader thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE}))
+        reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
         ended, failed = "", False
         try:
             while not ended:
@@ -189,6 +219,11 @@ class MpReceiver(ReceiverEndpoint):
                         ended, failed = (f"{self.peer} refused this worker: {reason}", True) if reason else \
                             (f"{self.peer} shut down", False)
                         break
+                    if frame.kind is Kind.ANSWER:
+                        with self.cond:
+                            self.answered = max(self.answered, frame.arg)
+                            self.cond.notify_all()
+                        continue
                     self._notify(frame)
         except (OSError, TransportError) as exc:
             ended, failed = f"connection to {self.peer} failed: {exc}", True
@@ -222,7 +257,6 @@ class MpReceiver(ReceiverEndpoint):
         with self.cond:
             older, self.newest = self.newest, (index, frame.body)
             self.cond.notify_all()
-        self._send(FRAMING.encode(Kind.SEEN, arg=index))  # the sender may send the next (newest) one
         if older is not None:
             self._release(older[0])
 

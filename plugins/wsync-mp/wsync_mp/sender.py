@@ -2,11 +2,17 @@
 
 ``publish`` only records, per worker, the newest (slot, header) to send and wakes the thread;
 the thread sends notifications without ever blocking on a worker (non-blocking sockets), one
-unread at a time per worker (the next follows once the worker says it read it), newest wins
-meanwhile, and at most ``_OUTSTANDING`` unreleased: a stuck or frozen worker pins the slot its
-model views, one unread notification and one pending version, never slows the others, and
-applies the newest version when it wakes. Slots a worker took and still views (its model, tensors it
+untaken at a time per worker (the next follows once its ``receive`` took that one, or probed),
+newest wins meanwhile, and at most ``_OUTSTANDING`` unreleased: a stuck or frozen worker pins the
+slot its model views, one untaken notification and one pending version, never slows the others,
+and applies the newest version when it wakes. Slots a worker took and still views (its model, tensors it
 kept, a child it forked) stay out of use until it releases them, however many.
+
+A worker whose ``receive`` finds a notification that waited (it was away: a long rollout, a GC
+pause, a frozen process) probes first; the sender answers right after notifying the newest
+version it holds for that worker (at once if none is pending), so the worker never applies a
+version that a newer one had replaced before it asked, even when this process was too busy to
+write meanwhile.
 """
 
 from __future__ import annotations
@@ -37,14 +43,16 @@ __all__ = ["MpSender"]
 log = logging.getLogger("wsync.mp")
 
 #: notifications a worker may hold unreleased: the one its model views until it acks a newer one,
-#: the one its reader read last, and one more in flight (sent once the previous one was read),
-#: which the reader answers by releasing the older unread one; so a worker that stops receiving
-#: still always holds the newest version, and one that stops altogether (frozen) pins one unread
-#: slot beyond its model's and gets the pending newest first when it wakes
+#: the one its receive() took last, and one more (sent once that was taken, or on a probe), which
+#: the reader answers by releasing the older untaken one; so a worker that stops receiving pins
+#: one untaken slot beyond its model's, and the pending newest follows its probe when it wakes
 _OUTSTANDING = 3
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: events kept for poll(); a worker that floods past this is dropped
 _MAX_EVENTS = 65536
+#: frames queued for a worker that does not read them (answers to its probes, notifications):
+#: one that probes past this without reading is dropped
+_MAX_QUEUED = 64
 _live: weakref.WeakSet[MpSender] = weakref.WeakSet()
 
 
@@ -63,7 +71,8 @@ class _Conn:
         #: it forked) may view them for as long as it likes; they do not count against _OUTSTANDING
         self.pinned: list[int] = []
         self.pending: tuple[int, bytes] | None = None  # newest (slot, header) not yet notified
-        self.unseen: int | None = None  # the slot of the notification sent and not yet read
+        self.unseen: int | None = None  # the slot of the notification sent and not yet taken
+        self.probe: int | None = None   # a probe to answer once nothing is pending: its number
 
     def push(self, data: bytes, fds: list[int] | None = None) -> None:
         self.out.append((memoryview(data), fds or []))
@@ -286,6 +295,14 @@ class MpSender(SenderEndpoint):
                     if conn.unseen == frame.arg:
                         conn.unseen = None
                     self._pump(conn)
+            elif frame.kind is Kind.PROBE:
+                with self.cond:
+                    if len(conn.out) >= _MAX_QUEUED:
+                        raise TransportError(f"worker {conn.worker} probes without reading the answers "
+                                             f"({len(conn.out)} frames queued)")
+                    conn.probe, conn.unseen = frame.arg, None  # it takes whatever is newest next
+                    self._pump(conn)
+                    self._answer(conn)
             elif frame.kind is Kind.ACK:
                 with self.cond:
                     if len(self.events) >= _MAX_EVENTS:
@@ -307,7 +324,8 @@ class MpSender(SenderEndpoint):
             with self.cond:
                 self._flush(conn)
             raise TransportError(f"a peer said it is worker {worker}, but num_workers is {self.num_workers}")
-        conn.reader.accept, conn.reader.peer = frozenset({Kind.RELEASE, Kind.ACK, Kind.SEEN}), f"worker {worker}"
+        conn.reader.accept = frozenset({Kind.RELEASE, Kind.ACK, Kind.SEEN, Kind.PROBE})
+        conn.reader.peer = f"worker {worker}"
         with self.cond:
             old = self.conns.pop(worker, None)
             if old is not None:  # a restarted worker: the new connection wins, quietly
@@ -335,7 +353,15 @@ class MpSender(SenderEndpoint):
             conn.has_fd.add(index)
         conn.held.append(index)
         conn.unseen = index
+        self._answer(conn)
         self._flush(conn, from_io_thread)
+
+    def _answer(self, conn: _Conn) -> None:
+        """Queue the answer to ``conn``'s probe once no version waits for it: the answer then follows
+        the notification of the newest version published before the probe came."""
+        if conn.probe is not None and conn.pending is None:
+            conn.push(FRAMING.encode(Kind.ANSWER, arg=conn.probe))
+            conn.probe = None
 
     def _flush(self, conn: _Conn, from_io_thread: bool = True) -> None:
         """Write what the socket takes now; the I/O thread also watches for writability while something is left."""

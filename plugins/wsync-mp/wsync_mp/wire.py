@@ -46,14 +46,16 @@ class Kind(enum.IntEnum):
     RELEASE = 6    # receiver -> sender: arg = slot, done reading it
     ACK = 7        # receiver -> sender: body = ack bytes
     CLOSE = 8      # sender -> receiver: body = reason (empty: a clean shutdown)
-    SEEN = 9       # receiver -> sender: arg = slot, its notification was read (the next may follow)
+    SEEN = 9       # receiver -> sender: arg = slot, receive() took its notification (the next may follow)
+    PROBE = 10     # receiver -> sender: arg = probe number; answer once the newest version is notified
+    ANSWER = 11    # sender -> receiver: arg = probe number; every version published before the probe is ahead of it
 
 
 #: the largest body each kind may carry
 _LIMITS = {
     Kind.CHALLENGE: NONCE_BYTES, Kind.RESPONSE: 2 * NONCE_BYTES, Kind.PROOF: NONCE_BYTES, Kind.HELLO: 0,
     Kind.NOTIFY: MAX_HEADER_BYTES, Kind.RELEASE: 0, Kind.ACK: MAX_ACK_BYTES, Kind.CLOSE: 4096,
-    Kind.SEEN: 0,
+    Kind.SEEN: 0, Kind.PROBE: 0, Kind.ANSWER: 0,
 }
 
 
