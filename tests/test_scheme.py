@@ -21,7 +21,8 @@ from wsync_core import (
     WeightSyncScheme,
     WorkerTimeoutError,
 )
-from wsync_core.inproc import open_channels
+from wsync_core.inproc import InprocTransport, open_channels
+from wsync_core.transport import Transport
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int8, torch.uint8, torch.bool]
@@ -466,3 +467,24 @@ def test_forked_child_starts_over_and_leaves_the_parent_alone(cluster):
     bump(c.model)
     assert c.sender.send() == 1
     assert same(c.receivers[0].model, c.model)
+
+
+
+class _Keyed(InprocTransport):
+    """inproc with options of its own, two of them secret."""
+
+    name = "keyed"
+    secret_options = ("authkey", "other_key")
+
+    def __init__(self, **options) -> None:
+        Transport.__init__(self, **options)
+
+
+def test_repr_hides_secret_options_and_pickling_keeps_them():
+    """``secret_options`` are shown as '***' by repr (of the transport and of a scheme over it),
+    unset ones as None; a pickled copy still holds the real value."""
+    t = _Keyed(authkey="s3cret-value", other_key=None, visible="shown-value")
+    assert "s3cret-value" not in repr(t) and "authkey='***'" in repr(t)
+    assert "other_key=None" in repr(t) and "visible='shown-value'" in repr(t)
+    assert "s3cret-value" not in repr(WeightSyncScheme(t))
+    assert pickle.loads(pickle.dumps(t)).options["authkey"] == "s3cret-value"

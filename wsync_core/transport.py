@@ -281,6 +281,9 @@ class Transport(ABC):
     interface: ClassVar[int]
     #: what the transport can do
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: options whose values are secrets (keys, shared secrets): ``repr`` shows them as ``'***'``.
+    #: A transport that declares ``auth`` names its credentials here (the suite checks it)
+    secret_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         self.options: dict[str, Any] = options
@@ -303,8 +306,9 @@ class Transport(ABC):
         return (_rebuild, (type(self), dict(self.options)))
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"{type(self).__name__}({opts})"
+        """The class and its options, each secret one (``secret_options``) shown as ``'***'`` if set."""
+        shown = {k: "***" if k in self.secret_options and v is not None else v for k, v in self.options.items()}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 def check_interface(cls: type[Transport]) -> None:

@@ -535,6 +535,25 @@ if TcpTransport is not None:
                                             "multi_host_options": staticmethod(multi_host_options),
                                             "__module__": __name__})
 
+    def _auth_options(good: bool) -> dict:
+        return {"authkey": "the-shared-secret-of-this-test" if good else "a-guess-at-the-secret"}
+
+    def _shows_secret(self) -> str:  # a plugin's own repr that forgot the secret
+        return f"ShowsSecret({self.options})"
+
+    #: its own __repr__ prints the authkey
+    ShowsSecret = type("ShowsSecret", (TcpTransport,), {"name": "showssecret", "__repr__": _shows_secret,
+                                                        "auth_options": staticmethod(_auth_options),
+                                                        "__module__": __name__})
+    #: declares auth but names no secret option, so the base repr prints the authkey
+    UnnamedSecret = type("UnnamedSecret", (TcpTransport,), {"name": "unnamedsecret", "secret_options": (),
+                                                            "auth_options": staticmethod(_auth_options),
+                                                            "__module__": __name__})
+    BROKEN.update(ShowsSecret="safe", UnnamedSecret="safe")
+    SELECT.update(ShowsSecret="test_capability_auth_secrets_never_shown",
+                  UnnamedSecret="test_capability_auth_secrets_never_shown")
+    __all__ += ["ShowsSecret", "UnnamedSecret"]
+
     HoardingSender = _tcp("HoardingSender", sender=_HoardingSender)
     HangsWhenSenderDies = _tcp("HangsWhenSenderDies", receiver=_HangsWhenSenderDies)
     NoReconnect = _tcp("NoReconnect", receiver=_NoReconnect, heartbeat=1.0)

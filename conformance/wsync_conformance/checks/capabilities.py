@@ -34,11 +34,13 @@ from .endpoint import Endpoints
 __all__ = ["CapabilityChecks"]
 
 
-def _hook(suite: Any, name: str, capability_name: str, signature: str, what: str):
-    hook = getattr(suite, name, None)
+def _hook(suite: Any, wsync: Context, name: str, capability_name: str, signature: str, what: str):
+    """The hook ``name``: from the suite, else a static method of the transport class."""
+    hook = getattr(suite, name, None) or getattr(wsync.target.cls, name, None)
     if hook is None:
         pytest.fail(f"transport declares the {capability_name!r} capability but its TransportSuite subclass does not "
-                    f"supply `{name}{signature}`: {what} (see docs/conformance.md, 'Capabilities')", pytrace=False)
+                    f"supply `{name}{signature}` (nor the transport class, as a static method): {what} (see "
+                    f"docs/conformance.md, 'Capabilities')", pytrace=False)
     return hook
 
 
@@ -52,7 +54,7 @@ class CapabilityChecks:
         """A peer without valid credentials never joins, never gets a payload and never changes a
         model; authenticated workers are served as usual."""
         wsync.require("auth")
-        hook = _hook(self, "auth_options", "auth", "(self, good: bool) -> dict",
+        hook = _hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
                      "options for the sender and authenticated receivers (good=True) and for a peer without "
                      "valid credentials (good=False)")
         good, bad = dict(hook(True)), dict(hook(False))
@@ -94,6 +96,35 @@ class CapabilityChecks:
         s.expected[1] = digests(s.model)
         s.check(1, [0], guarantee="safe")
 
+    @guarantee("safe")
+    @capability("auth")
+    def test_capability_auth_secrets_never_shown(self, wsync: Context) -> None:
+        """A transport that declares ``auth`` names its credentials in ``secret_options``, and
+        neither ``repr`` of the transport nor of a scheme over it shows their values (they end up
+        in logs, tracebacks and error reports)."""
+        wsync.require("auth")
+        hook = _hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
+                     "options for the sender and authenticated receivers (good=True) and for a peer without "
+                     "valid credentials (good=False)")
+        good, bad = dict(hook(True)), dict(hook(False))
+        cls = wsync.target.cls
+        secret = tuple(getattr(cls, "secret_options", ()))
+        credentials = sorted(k for k in good if good[k] != bad.get(k))
+        if not set(secret) & set(credentials):
+            raise violated("safe", f"{cls.__name__} declares 'auth' but its secret_options {secret} names none of "
+                                   f"the credentials that tell an authenticated peer from a stranger "
+                                   f"({credentials}): repr() would show them")
+        transport = Target(wsync.target.transport, {**wsync.target.options, **good}).make()
+        scheme = WeightSyncScheme(transport)
+        for key in secret:
+            value = transport.options.get(key)
+            if not isinstance(value, (str, bytes)) or len(value) < 4:
+                continue
+            shown = value if isinstance(value, str) else value.decode("latin-1")
+            for what, text in (("repr(transport)", repr(transport)), ("repr(scheme)", repr(scheme))):
+                if shown in text:
+                    raise violated("safe", f"{what} shows the value of the secret option {key!r}")
+
     @guarantee("exact")
     @capability("multi_host")
     @budget(timeouts=2)
@@ -101,7 +132,7 @@ class CapabilityChecks:
         """A receiver in another network namespace (another "host", joined by a bridge) connects
         to a sender listening on its bridge address and applies every version exactly."""
         wsync.require("multi_host")
-        hook = _hook(self, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
+        hook = _hook(self, wsync, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
                      "options for a sender listening on host_address, reachable from another network namespace")
         if (reason := netns.available()) is not None:
             pytest.skip(f"multi_host is declared but cannot be tested here: {reason}")

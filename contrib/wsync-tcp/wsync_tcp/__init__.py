@@ -72,6 +72,7 @@ class TcpTransport(Transport):
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, async_send=True, subset_send=True,
                                 late_join=True, auth=True)
+    secret_options = ("authkey",)
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, advertise: str | None = None,
                  authkey: str | None = None, heartbeat: float = 10.0, checksum: bool = True) -> None:
@@ -100,10 +101,6 @@ class TcpTransport(Transport):
 
     def receiver(self, ctx: ReceiverContext) -> _Receiver:
         return _Receiver(self.options, ctx)
-
-    def __repr__(self) -> str:  # never print the secret
-        shown = {**self.options, "authkey": "***" if self.options["authkey"] else None}
-        return f"TcpTransport({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @hookimpl

@@ -75,6 +75,7 @@ class UnixTransport(Transport):
     name = "unix"
     interface = 2
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True, auth=True)
+    secret_options = ("authkey",)
 
     def __init__(self, *, name: str | None = None, authkey: str | None = None, heartbeat: float = 10.0,
                  checksum: bool = False) -> None:
@@ -93,10 +94,6 @@ class UnixTransport(Transport):
 
     def receiver(self, ctx: ReceiverContext) -> _Receiver:
         return _Receiver(self.options, ctx)
-
-    def __repr__(self) -> str:  # never print the secret
-        shown = {**self.options, "authkey": "***" if self.options["authkey"] else None}
-        return f"UnixTransport({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @hookimpl

@@ -36,6 +36,7 @@ class MpTransport(Transport):
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=False, cuda=False, zero_copy=True, async_send=True,
                                 subset_send=True, late_join=True, auth=True)
+    secret_options = ("authkey",)
 
     def __init__(self, *, address: str | None = None, authkey: str | None = None, max_slots: int | None = None,
                  checksum: bool = False, zero_copy: bool | None = None) -> None:
@@ -63,10 +64,6 @@ class MpTransport(Transport):
 
     def receiver(self, ctx: ReceiverContext) -> ReceiverEndpoint:
         return MpReceiver(self.options["address"], self._key, ctx, zero_copy_for(self.options["zero_copy"], ctx))
-
-    def __repr__(self) -> str:  # never print the secret
-        opts = {**self.options, "authkey": "***" if self.options["authkey"] else None}
-        return f"MpTransport({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
 
 
 @hookimpl

@@ -72,6 +72,7 @@ class ZmqTransport(Transport):
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=True)
+    secret_options = ("curve_server_secret", "curve_client_secret")
 
     def __init__(
         self,
