@@ -185,12 +185,11 @@ class RaySender(SenderEndpoint):
             self._check_posts()
             # EVENT_POLLS long-polls wait at the mailbox, for the next EVENT_POLLS events, so each new
             # event answers one at once (none waits for the sender's next call to arrive); events
-            # are numbered, so each is handed on once and in order whichever answer brings it. They
-            # are asked for again only once all are answered: a send's acks then answer polls
-            # already waiting, and the sender asks for more after them, not between them
-            if not self.pending_events:
-                self.pending_events = [(need, self.mailbox.events.remote(self.seen, need, LONG_POLL_S))
-                                       for need in range(self.seen + 1, self.seen + 1 + EVENT_POLLS)]
+            # are numbered, so each is handed on once and in order whichever answer brings it
+            waiting = {need for need, _ in self.pending_events}
+            for need in range(self.seen + 1, self.seen + 1 + EVENT_POLLS):
+                if need not in waiting:
+                    self.pending_events.append((need, self.mailbox.events.remote(self.seen, need, LONG_POLL_S)))
             try:
                 done = _wait_any([ref for _, ref in self.pending_events], deadline, self.woken)
                 self.pending_events = [(n, r) for n, r in self.pending_events if r not in done]

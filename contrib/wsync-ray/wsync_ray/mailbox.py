@@ -40,13 +40,7 @@ class Mailbox:
     plain values (ints, strings, bytes, lists) and object references nested in lists."""
 
     def __init__(self) -> None:
-        # Targeted wake-ups (issue 17): a post wakes only the takes of the workers it names, an
-        # event only the sender's long-polls it answers. One Condition woken for everything made
-        # every post and every ack wake all eight waiters of a send to four workers, each of them
-        # a turn of this actor's event loop on the critical path. Everything runs on that one loop,
-        # so the state needs no lock: it changes only between awaits.
-        self._takers: dict[int, asyncio.Event] = {}  # worker -> set when its take may have an answer
-        self._needs: dict[int, asyncio.Event] = {}  # event number awaited -> set once it is logged
+        self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
         # [seq, event] not yet confirmed by the sender; event: ["join", w] | ["ack", w, data] | ["left", w, reason]
@@ -55,53 +49,44 @@ class Mailbox:
         self._watches: dict[int, asyncio.Task] = {}
         self._closed = False
 
-    def _wake(self, worker: int) -> None:
-        """Wake the take waiting for ``worker``, if any."""
-        flag = self._takers.pop(worker, None)
-        if flag is not None:
-            flag.set()
-
-    @staticmethod
-    async def _sleep(flag: asyncio.Event, left: float) -> None:
-        """Until ``flag`` is set (``close`` sets them all) or ``left`` seconds pass."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(flag.wait(), left)
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # made on the actor's event loop
+            self._cond = asyncio.Condition()
+        return self._cond
 
     def _drop(self, worker: int, reason: str) -> None:
-        """Forget ``worker``'s receiver and tell the sender."""
+        """Forget ``worker``'s receiver and tell the sender (caller holds the condition)."""
         del self._members[worker]
         self._entries.pop(worker, None)
-        self._wake(worker)
         watch = self._watches.pop(worker, None)
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()
         self._event(["left", worker, reason])
 
     def _event(self, event: list[Any]) -> None:
-        """Log ``event`` under the next number for the sender; wakes the long-poll awaiting it."""
+        """Log ``event`` under the next number for the sender (caller holds the condition)."""
         self._events.append([self._seq, event])
-        flag = self._needs.pop(self._seq, None)
         self._seq += 1
-        if flag is not None:
-            flag.set()
+        self._condition().notify_all()
 
     async def hello(self, worker: int, token: str, watch: list[Any]) -> bool:
         """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
         see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing. False
         if the sender has shut down."""
-        if self._closed:
-            return False
-        self._members[worker] = token
-        self._entries.pop(worker, None)  # meant for a predecessor: the sender re-publishes on join
-        self._wake(worker)  # a predecessor's take hears it is gone
-        old = self._watches.pop(worker, None)
-        if old is not None:
-            old.cancel()
-        if len(watch) == 2 and watch[0] in ("actor", "worker"):
-            probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
-            self._watches[worker] = asyncio.get_running_loop().create_task(
-                self._watch(worker, token, probe, watch[1]))
-        self._event(["join", worker])
+        cond = self._condition()
+        async with cond:
+            if self._closed:
+                return False
+            self._members[worker] = token
+            self._entries.pop(worker, None)  # meant for a predecessor: the sender re-publishes on join
+            old = self._watches.pop(worker, None)
+            if old is not None:
+                old.cancel()
+            if len(watch) == 2 and watch[0] in ("actor", "worker"):
+                probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
+                self._watches[worker] = asyncio.get_running_loop().create_task(
+                    self._watch(worker, token, probe, watch[1]))
+            self._event(["join", worker])
         return True
 
     async def _watch(self, worker: int, token: str, probe: Any, what: Any) -> None:
@@ -110,8 +95,9 @@ class Mailbox:
         while True:
             reason = await probe(what)
             if reason is not None:
-                if self._members.get(worker) == token:
-                    self._drop(worker, reason)
+                async with self._condition():
+                    if self._members.get(worker) == token:
+                        self._drop(worker, reason)
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
 
@@ -139,42 +125,47 @@ class Mailbox:
 
     async def bye(self, worker: int, token: str) -> None:
         """Receiver ``token`` shut down."""
-        if self._members.get(worker) == token:
-            self._drop(worker, "receiver shut down")
+        async with self._condition():
+            if self._members.get(worker) == token:
+                self._drop(worker, "receiver shut down")
 
     async def post(self, seq: int, workers: list[int], header: bytes, refs: list[Any]) -> None:
         """Deliver ``header`` and the payload in ``refs`` to ``workers`` (those connected now)."""
-        for w in workers:
-            if w in self._members:
-                self._entries[w] = [seq, header, refs]
-                self._wake(w)
+        cond = self._condition()
+        async with cond:
+            for w in workers:
+                if w in self._members:
+                    self._entries[w] = [seq, header, refs]
+            cond.notify_all()
 
     async def take(self, worker: int, token: str, wait_s: float) -> list[Any]:
         """``["data", seq, header, [ref]]``, or ``["none"]`` after ``wait_s`` seconds without one,
         ``["gone"]`` if ``token`` no longer serves ``worker``, ``["closed"]`` once the sender shut down."""
+        cond = self._condition()
         loop = asyncio.get_running_loop()
         end = loop.time() + max(0.0, wait_s)
-        while True:
-            if self._closed:
-                return ["closed"]
-            if self._members.get(worker) != token:
-                return ["gone"]
-            entry = self._entries.pop(worker, None)
-            if entry is not None:
-                return ["data", *entry]
-            left = end - loop.time()
-            if left <= 0:
-                return ["none"]
-            flag = self._takers.get(worker)
-            if flag is None:
-                flag = self._takers[worker] = asyncio.Event()
-            await self._sleep(flag, left)
+        async with cond:
+            while True:
+                if self._closed:
+                    return ["closed"]
+                if self._members.get(worker) != token:
+                    return ["gone"]
+                entry = self._entries.pop(worker, None)
+                if entry is not None:
+                    return ["data", *entry]
+                left = end - loop.time()
+                if left <= 0:
+                    return ["none"]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(cond.wait(), left)
 
     async def ack(self, worker: int, token: str, data: bytes, take_s: float | None = None) -> list[Any] | None:
         """Receiver ``token`` acks ``data`` (dropped if another receiver serves ``worker`` now); with
         ``take_s``, then takes as ``take(worker, token, take_s)`` does and returns its answer."""
-        if self._members.get(worker) == token:
-            self._event(["ack", worker, data])
+        cond = self._condition()
+        async with cond:
+            if self._members.get(worker) == token:
+                self._event(["ack", worker, data])
         return None if take_s is None else await self.take(worker, token, take_s)
 
     async def events(self, seen: int, need: int, wait_s: float) -> list[list[Any]]:
@@ -183,22 +174,21 @@ class Mailbox:
         several calls waiting, each with its own ``need``, so that each new event answers one of
         them at once; the events up to ``seen`` (which it has) are forgotten. An answer lost on
         the way costs nothing: the next call hands its events on again."""
-        self._events = [e for e in self._events if e[0] > seen]
-        if self._seq <= need and not self._closed:
-            flag = self._needs.get(need)
-            if flag is None:
-                flag = self._needs[need] = asyncio.Event()
-            await self._sleep(flag, max(0.0, wait_s))
-        return [e for e in self._events if e[0] > seen]
+        cond = self._condition()
+        async with cond:
+            self._events = [e for e in self._events if e[0] > seen]
+            if self._seq <= need and not self._closed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(cond.wait_for(lambda: self._seq > need or self._closed), max(0.0, wait_s))
+            return [e for e in self._events if e[0] > seen]
 
     async def close(self) -> None:
         """The sender shuts down: every waiting receiver hears so, every reference is dropped."""
-        self._closed = True
-        self._entries.clear()
-        for watch in self._watches.values():
-            watch.cancel()
-        self._watches.clear()
-        for flag in [*self._takers.values(), *self._needs.values()]:
-            flag.set()
-        self._takers.clear()
-        self._needs.clear()
+        cond = self._condition()
+        async with cond:
+            self._closed = True
+            self._entries.clear()
+            for watch in self._watches.values():
+                watch.cancel()
+            self._watches.clear()
+            cond.notify_all()
