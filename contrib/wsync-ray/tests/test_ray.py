@@ -124,6 +124,7 @@ def test_no_object_store_growth_over_1000_sends(cluster) -> None:
 
 
 def _alive_nodes() -> list[str]:
+    """The ids of the cluster's live nodes."""
     return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
 
 
