@@ -1,5 +1,6 @@
 """The ray transport with its workers as Ray actors: a killed actor is a dead worker, not a hang,
-and 1,000 sends leave Ray's object store as it was (each version is freed once no one holds it)."""
+1,000 sends leave Ray's object store as it was (each version is freed once no one holds it), and
+on a cluster of two nodes every sender's mailbox runs on the sender's node."""
 
 from __future__ import annotations
 
