@@ -47,9 +47,3 @@ class TestRay(TransportSuite):
                 yield {}
             finally:
                 self._cluster_address = None
-
-    @pytest.mark.xfail(strict=False, reason="seen once in a full run (issue 16): the send while worker 1's link was cut "
-                                            "named [0, 1]; the mailbox actor is now pinned to the sender's node (it "
-                                            "could be placed on the cut node's), passing 3 of 3 runs since: unproven")
-    def test_faults_link_cut(self, wsync) -> None:
-        super().test_faults_link_cut(wsync)

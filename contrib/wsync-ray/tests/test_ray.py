@@ -1,5 +1,6 @@
 """The ray transport with its workers as Ray actors: a killed actor is a dead worker, not a hang,
-and 1,000 sends leave Ray's object store as it was (each version is freed once no one holds it)."""
+1,000 sends leave Ray's object store as it was (each version is freed once no one holds it), and
+on a cluster of two nodes every sender's mailbox runs on the sender's node."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ ray = pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).parent))
 import ray_actors  # noqa: E402
 from ray_actors import Rollout  # noqa: E402
-from wsync_core import WeightSyncScheme, WorkerTimeoutError  # noqa: E402
+from wsync_core import Deadline, WeightSyncScheme, WorkerTimeoutError  # noqa: E402
+from wsync_core.layout import Layout  # noqa: E402
+from wsync_core.transport import SenderContext  # noqa: E402
+from wsync_ray import RayTransport  # noqa: E402
+from wsync_ray.cluster import RayNode  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(ray_actors)  # the actors' processes cannot import this folder
 
@@ -117,3 +122,40 @@ def test_no_object_store_growth_over_1000_sends(cluster) -> None:
     time.sleep(1.0)
     after_bytes, _ = _store_used()
     assert after_bytes <= base_bytes, f"{after_bytes} bytes still in the store after shutdown (were {base_bytes})"
+
+
+def _alive_nodes() -> list[str]:
+    """The ids of the cluster's live nodes."""
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+
+def _actor_node(name: str, namespace: str) -> str:
+    """The id of the node the named actor runs on (the GCS's actor table)."""
+    from ray._private.state import actors
+
+    actor_id = ray.get_actor(name, namespace=namespace)._actor_id.hex()
+    return actors(actor_id)["Address"]["NodeID"]
+
+
+def test_mailbox_runs_on_the_senders_node(cluster, ray_head) -> None:
+    """On a cluster of two nodes, every sender's mailbox actor runs on the sender's own node (issue
+    16). Ray places an actor that needs no resources on a node chosen at random; a mailbox on a
+    worker's node falls with that node (a cut link, a preempted host) and takes every worker's
+    delivery with it, which the link-cut check saw as a send naming [0, 1]. Eight senders: placed
+    at random, all eight would land here once in 256 runs."""
+    with RayNode(num_cpus=1, object_store_mib=128, head=ray_head.address):
+        end = time.monotonic() + 60.0
+        while len(_alive_nodes()) < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert len(_alive_nodes()) == 2, ray.nodes()
+        here = ray.get_runtime_context().get_node_id()
+        ctx = SenderContext(1, Layout.of({"w": torch.zeros(16)}), "m", torch.device("cpu"))
+        senders = [RayTransport().sender(ctx) for _ in range(8)]
+        try:
+            for s in senders:
+                s.open(Deadline(60.0))
+            placed = [_actor_node(s.channel, s.namespace) for s in senders]
+        finally:
+            for s in senders:
+                s.close()
+        assert placed == [here] * 8, f"mailboxes on {placed}, the sender on {here}"
