@@ -62,7 +62,18 @@ _audit = {"process": False, "installed": False}
 
 def _audit_hook(event: str, args: tuple) -> None:
     if event == "pickle.find_class" and (_audit["process"] or getattr(_audit_local, "on", False)):
-        _audit_events.append([str(a) for a in args])
+        _audit_events.append([*(str(a) for a in args), _unpickler()])
+
+
+def _unpickler() -> str:
+    """The innermost Python code that is unpickling: ``module:function`` of the nearest frame
+    outside this module and the pickle machinery (the C unpickler has no frame of its own)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in (__name__, "pickle", "copyreg"):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_name}"
 
 
 def _install_audit_hook() -> None:

@@ -223,7 +223,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 events += w.request("audit").get("events", [])
             events = untrusted_unpickling(events, trusted_runtime(self.ctx.target.cls))
             if events:
-                raise violated("safe", f"a receiver unpickled: find_class{tuple(events[0])}")
+                raise violated("safe", f"a receiver unpickled: find_class{tuple(events[0][:2])} in {events[0][2:]} "
+                                       f"(all: {events[:8]})")
         finally:
             self.s.close()
         # what a transport holds for a scheme (threads and descriptors are the clean tests' job:
