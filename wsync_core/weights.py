@@ -49,7 +49,10 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
             extras = _extra_state_modules(weights)
         else:
             items = _module_tensors(weights, extras)
-        out = {k: _maybe_detach(v, detach) for k, v in items if v is not None}
+        if detach:
+            out = {k: v.detach() for k, v in items if v is not None}
+        else:
+            out = {k: v for k, v in items if v is not None}
         for prefix, module in extras:
             for key, value in _extra_state_tensors(module, prefix).items():
                 out[key] = value
