@@ -17,7 +17,7 @@ class Deadline:
     __slots__ = ("timeout", "_end")
 
     def __init__(self, timeout: float) -> None:
-        if timeout is None or math.isnan(timeout) or timeout < 0:
+        if timeout is None or not timeout >= 0:  # (NaN compares False)
             raise ValueError(f"timeout must be a number >= 0 (math.inf to wait forever), got {timeout!r}")
         self.timeout = float(timeout)
         self._end = time.monotonic() + self.timeout

@@ -75,7 +75,7 @@ class Layout:
         self.entries: tuple[Entry, ...] = tuple(entries)
         self._filled = tuple(e for e in self.entries if e.nbytes)
         #: views of recently used buffers, by (address, device): slots and staging buffers repeat
-        self._views: OrderedDict[tuple[int, str], list[torch.Tensor]] = OrderedDict()
+        self._views: OrderedDict[tuple[int, torch.device], list[torch.Tensor]] = OrderedDict()
         self.nbytes: int = _align(max((e.offset + e.nbytes for e in entries), default=0))
         self._by_key = {e.key: e for e in entries}
         self.digest: str = hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
@@ -171,6 +171,20 @@ class Layout:
         for e in self.entries:
             t = tensors.get(e.key)
             if t is None or t.dtype is not e.torch_dtype or tuple(t.shape) != e.shape:
+                return False
+        return True
+
+    def ready(self, targets: Mapping[str, torch.Tensor]) -> bool:
+        """True if ``targets`` fit this layout (as ``fits``), are all on the CPU, and a payload can be
+        written into each in place (no check of ``check_writable`` would fail): the common case, in
+        one pass of cheap checks. False says nothing: ``check_fits`` and ``check_writable`` decide."""
+        if len(targets) != len(self.entries):
+            return False
+        for e in self.entries:
+            t = targets.get(e.key)
+            # contiguous: no element shares memory with another (what _debug_has_internal_overlap finds)
+            if (t is None or t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu
+                    or t.is_inference() or not t.is_contiguous()):
                 return False
         return True
 
@@ -282,7 +296,7 @@ class Layout:
             raise SchemaMismatchError(f"{context}: the model cannot take this version in place: " + "; ".join(bad))
 
     def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        key = (buffer.data_ptr(), str(buffer.device))
+        key = (buffer.data_ptr(), buffer.device)
         views = self._views.get(key)
         if views is None or (views and views[0].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
             views = [self.view(buffer, e) for e in self._filled]
@@ -313,7 +327,9 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         return
     with torch.no_grad():
         device = dsts[0].device
-        if _FOREACH_COPY is not None and all(t.device == device for t in dsts) and all(t.device == device for t in srcs):
+        if _FOREACH_COPY is not None and (all(t.is_cpu for t in dsts) and all(t.is_cpu for t in srcs)
+                                          or all(t.device == device for t in dsts)
+                                          and all(t.device == device for t in srcs)):
             _FOREACH_COPY(dsts, srcs)
         else:
             for d, s in zip(dsts, srcs):

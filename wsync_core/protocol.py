@@ -39,6 +39,18 @@ _MAX_NUMBER_CHARS = 64
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 
+# The hot path: what ``Header.encode`` and ``Ack.encode`` write for a plain full payload and a
+# plain ack, matched whole by one regex (a few microseconds instead of a checked ``json.loads``).
+# Only what the checked parser accepts with the same value can match: canonical integers of at
+# most 19 digits (range-checked after), strings of printable ASCII with nothing to unescape.
+# Anything else, e.g. another key order, spaces or an escape, takes the checked parser.
+_UINT = rb"(0|[1-9][0-9]{0,18})"
+_ASCII = rb'([ !#-\[\]-~]*)'
+_FAST_HEADER = re.compile(rb'\{"wsync":1,"v":' + _UINT + rb',"m":"' + _ASCII + rb'","d":"' + _ASCII
+                          + rb'","n":' + _UINT + rb',"c":(null|\[[0-9,]{1,65536}\])\}\Z')
+_FAST_SUM = re.compile(rb"(?:0|[1-9][0-9]{0,19})\Z")
+_FAST_ACK = re.compile(rb'\{"wsync":1,"w":' + _UINT + rb',"v":(-?(?:0|[1-9][0-9]{0,18}))\}\Z')
+
 
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_JSON_DIGITS:
@@ -132,6 +144,48 @@ def checksum(buffer: torch.Tensor) -> list[int]:
             for i in range(0, len(data), CHECKSUM_CHUNK)] or [xxhash.xxh3_64_intdigest(data)]
 
 
+_JSON_STRS: dict[str, bytes | None] = {}
+
+
+def _json_str(text: Any) -> bytes | None:
+    """``text`` as a JSON string (printable ASCII, nothing to escape), or None for anything else;
+    remembered (a model id and a digest repeat every version)."""
+    out = _JSON_STRS.get(text) if type(text) is str else None
+    if out is None and type(text) is str and text not in _JSON_STRS:
+        raw = text.encode("ascii", "replace")
+        out = b'"' + raw + b'"' if len(raw) <= 256 and _ASCII_ONLY.match(raw) and raw.decode() == text else None
+        if len(_JSON_STRS) < 64:
+            _JSON_STRS[text] = out
+    return out
+
+
+_ASCII_ONLY = re.compile(_ASCII + rb"\Z")
+
+
+def _fast_header(data: Any) -> Header | None:
+    """A header in the form ``Header.encode`` writes for a plain full payload, or None (the
+    checked parser decides then). Equal to what ``Header.decode_checked`` returns for it."""
+    if type(data) is not bytes or len(data) > 65536 + 256:
+        return None
+    m = _FAST_HEADER.match(data)
+    if m is None:
+        return None
+    version, nbytes = int(m.group(1)), int(m.group(4))
+    if version >= 1 << 63 or nbytes >= 1 << 63:
+        return None
+    raw = m.group(5)
+    if raw == b"null":
+        sums = None
+    else:
+        parts = raw[1:-1].split(b",")
+        if len(parts) != max(1, -(-nbytes // CHECKSUM_CHUNK)) or not all(_FAST_SUM.match(p) for p in parts):
+            return None
+        sums = [int(p) for p in parts]
+        if any(c >= 1 << 64 for c in sums):
+            return None
+    return Header(version, m.group(2).decode(), m.group(3).decode(), nbytes, sums)
+
+
 @dataclass(frozen=True)
 class Header:
     """What comes with every payload: version, model, layout digest, size and optional checksums
@@ -162,6 +216,13 @@ class Header:
         return self.wire is not None or self.table is not None or self.base is not None
 
     def encode(self) -> bytes:
+        """The header as JSON bytes (a plain full payload's without ``json.dumps``: same bytes)."""
+        if (self.checksum is None and self.layout is None and self.wire is None and self.table is None
+                and self.base is None and type(self.version) is int and type(self.nbytes) is int):
+            m, d = _json_str(self.model_id), _json_str(self.digest)
+            if m is not None and d is not None:
+                return b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null}' % (PROTOCOL, self.version, m, d,
+                                                                              self.nbytes)
         obj: dict[str, Any] = {
             "wsync": PROTOCOL, "v": self.version, "m": self.model_id,
             "d": self.digest, "n": self.nbytes, "c": self.checksum,
@@ -179,6 +240,12 @@ class Header:
     @classmethod
     def decode(cls, data: bytes) -> Header:
         """Parse header bytes; raises TransportError naming what is malformed."""
+        fast = _fast_header(data)
+        return fast if fast is not None else cls.decode_checked(data)
+
+    @classmethod
+    def decode_checked(cls, data: bytes) -> Header:
+        """``decode`` through the checked JSON parser alone (what the fast path must agree with)."""
         obj = _decode(data, MAX_HEADER_BYTES, "header")
         version = _field(obj, "v", int, "header")
         nbytes = _field(obj, "n", int, "header")
@@ -217,6 +284,9 @@ class Ack:
     error_type: str | None = None
 
     def encode(self) -> bytes:
+        """The ack as JSON bytes (a plain one without ``json.dumps``: same bytes)."""
+        if self.error is None and type(self.worker) is int and type(self.version) is int:
+            return b'{"wsync":%d,"w":%d,"v":%d}' % (PROTOCOL, self.worker, self.version)
         obj: dict[str, Any] = {"wsync": PROTOCOL, "w": self.worker, "v": self.version}
         if self.error is not None:
             obj["e"] = self.error[:4000]
@@ -226,6 +296,15 @@ class Ack:
     @classmethod
     def decode(cls, data: bytes) -> Ack:
         """Parse ack bytes; raises TransportError naming what is malformed."""
+        if type(data) is bytes and len(data) <= 64:
+            m = _FAST_ACK.match(data)
+            if m is not None:
+                return cls(int(m.group(1)), int(m.group(2)))
+        return cls.decode_checked(data)
+
+    @classmethod
+    def decode_checked(cls, data: bytes) -> Ack:
+        """``decode`` through the checked JSON parser alone (what the fast path must agree with)."""
         obj = _decode(data, MAX_ACK_BYTES, "ack")
         err = obj.get("e")
         etype = obj.get("t")

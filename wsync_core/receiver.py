@@ -242,11 +242,13 @@ class Receiver:
         if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
         targets = flatten(self.source, self.strategy, detach=False)
-        layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
-        if meta_keys(targets):  # a model built on the meta device gets real memory from its first payload
-            materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
-            targets = flatten(self.source, self.strategy, detach=False)
-        layout.check_writable(targets, context=where)
+        on_cpu = layout.ready(targets)  # the common case in one pass; else the checks that name what is wrong
+        if not on_cpu:
+            layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model now", context=where)
+            if meta_keys(targets):  # a model built on the meta device gets real memory from its first payload
+                materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
+                targets = flatten(self.source, self.strategy, detach=False)
+            layout.check_writable(targets, context=where)
         if delivery.adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
@@ -256,7 +258,7 @@ class Receiver:
             adopted = []
             layout.unpack(payload, targets)
         restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
-        if payload.is_cuda or any(t.is_cuda for t in targets.values()):
+        if payload.is_cuda or not on_cpu and any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         return bool(adopted)
 

@@ -49,7 +49,10 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
             extras = _extra_state_modules(weights)
         else:
             items = _module_tensors(weights, extras)
-        out = {k: _maybe_detach(v, detach) for k, v in items if v is not None}
+        if detach:
+            out = {k: v.detach() for k, v in items if v is not None}
+        else:
+            out = {k: v for k, v in items if v is not None}
         for prefix, module in extras:
             for key, value in _extra_state_tensors(module, prefix).items():
                 out[key] = value
@@ -95,11 +98,14 @@ def _module_tensors(module: nn.Module, extras: list[tuple[str, nn.Module]] | Non
     stack = [("", module)]
     while stack:
         prefix, m = stack.pop()
-        items += [(prefix + k, v) for k, v in m._parameters.items()]
+        if m._parameters:  # (empty tables are common: skipping them saves a comprehension each)
+            items += [(prefix + k, v) for k, v in m._parameters.items()]
         if extras is not None and type(m).get_extra_state is not nn.Module.get_extra_state:
             extras.append((prefix, m))  # modules with extra state, for the caller
-        buffers += [(prefix + k, v) for k, v in m._buffers.items()]
-        stack += [(f"{prefix}{k}.", sub) for k, sub in reversed(m._modules.items()) if sub is not None]
+        if m._buffers:
+            buffers += [(prefix + k, v) for k, v in m._buffers.items()]
+        if m._modules:
+            stack += [(f"{prefix}{k}.", sub) for k, sub in reversed(m._modules.items()) if sub is not None]
     return items + buffers
 
 
