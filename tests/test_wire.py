@@ -86,3 +86,64 @@ def test_header_roundtrip_and_worker_timeout_pickles():
     assert len(sums) == 4 and sums[-1] == xxhash.xxh3_64_intdigest(big[3 * (16 << 20):].numpy().tobytes())
     e = pickle.loads(pickle.dumps(WorkerTimeoutError("late", [2, 1])))
     assert e.workers == [1, 2] and str(e) == "late"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([0, 1, 4095, 1 << 20, (1 << 24) - 1, 1 << 24, (1 << 24) + 1, (2 << 24) + 4097]),
+       st.lists(st.integers(1, 6 << 20), max_size=40))
+def test_chunk_hasher_fed_piece_by_piece_gives_the_checksum(nbytes, steps):
+    """However a payload is fed to ChunkHasher (the sender hashes each piece right after packing
+    it), its sums are exactly ``checksum``'s, which the receiver checks against."""
+    from wsync_core.protocol import ChunkHasher, checksum
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    hasher = ChunkHasher(data)
+    done = 0
+    for step in steps:
+        done = min(nbytes, done + step)
+        hasher.update(done)
+    if done < nbytes:
+        with pytest.raises(ValueError):
+            hasher.sums()
+        hasher.update(nbytes)
+    with pytest.raises(ValueError):
+        hasher.update(nbytes + 1)
+    assert hasher.sums() == checksum(data)
+
+
+def test_sender_hashes_a_large_snapshot_while_packing_with_the_same_sums(monkeypatch):
+    """A checksummed CPU snapshot of at least one checksum chunk is hashed piece by piece as it is
+    packed (not in a pass of its own); the header carries the sums of the whole payload, and a
+    worker checks and applies it."""
+    import threading
+
+    import wsync_core.sender as sender_module
+    from wsync_core import WeightSyncScheme
+    from wsync_core.protocol import CHECKSUM_CHUNK, ChunkHasher, checksum
+
+    fed: list[int] = []
+
+    class Spy(ChunkHasher):
+        def update(self, n: int) -> None:
+            fed.append(n)
+            super().update(n)
+
+    monkeypatch.setattr(sender_module, "ChunkHasher", Spy)
+    weights = {"a": torch.rand(CHECKSUM_CHUNK // 4 + 3), "b": torch.rand(1000)}
+    scheme = WeightSyncScheme("inproc", checksum=True, timeout=30.0)
+    scheme.init_on_sender(weights=weights, num_workers=1)
+    receiver = pickle.loads(pickle.dumps(scheme))
+    local = {k: torch.zeros_like(v) for k, v in weights.items()}
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        buffer, header = scheme._role._latest
+        assert header.checksum == checksum(buffer.tensor) and len(header.checksum) == 2
+        assert len(fed) > 4 and fed == sorted(fed) and fed[-1] == buffer.tensor.numel()  # in pieces, as packed
+        assert all(torch.equal(local[k], weights[k]) for k in weights)
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        scheme.shutdown()

@@ -7,7 +7,10 @@ anything newer it holds, and only the newest is returned.
 
 Frames larger than this worker's model and a generous header bound together are refused by
 libzmq before it allocates them; everything else is checked by ``wire.decode_delivery`` before
-the core sees it. The payload tensor reads the received frame in place.
+the core sees it. The payload tensor reads the received frame in place. A payload that came in
+a frame of its own (a large one) is this worker's to keep: libzmq allocated that frame for it
+alone, and nothing else reads or reuses it. It is handed over as adoptable, so the model's tensors
+become views of it instead of copies (the frame lives as long as a tensor views it).
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ class ZmqReceiver(ReceiverBase):
         except TransportError:
             self._want()  # no ack follows: ask for the next version now
             raise
-        self.put(Delivery(header, payload_tensor(payload)))
+        # a frame of its own (len(frames) == 2) is exclusively this worker's: the model may adopt it
+        self.put(Delivery(header, payload_tensor(payload), adoptable=len(frames) == 2))
         self._answer = DATA
         return True
 
