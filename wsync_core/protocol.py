@@ -18,7 +18,7 @@ import xxhash
 from .errors import TransportError
 
 __all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_DIGITS",
-           "CHECKSUM_CHUNK", "HASH_STEP", "PROTOCOL", "ChunkHasher", "checksum", "decode_json"]
+           "CHECKSUM_CHUNK", "PROTOCOL", "checksum", "decode_json"]
 
 PROTOCOL = 1
 #: the largest header accepted (it may carry a full layout: ~100 bytes per tensor)
@@ -28,9 +28,6 @@ MAX_ACK_BYTES = 64 * 1024
 #: the payload is checksummed in chunks of this many bytes, one XXH3-64 each (memory speed: a
 #: CRC32 costs more than the wire on a fast link)
 CHECKSUM_CHUNK = 16 * 1024 * 1024
-#: a payload written piece by piece is hashed in pieces of about this size, each right after it
-#: was written, while it is still in cache (``ChunkHasher``)
-HASH_STEP = 1024 * 1024
 
 
 #: the deepest nesting of arrays and objects accepted in any JSON from a peer
@@ -133,36 +130,6 @@ def checksum(buffer: torch.Tensor) -> list[int]:
     data = _host_bytes(buffer)
     return [xxhash.xxh3_64_intdigest(data[i : i + CHECKSUM_CHUNK])
             for i in range(0, len(data), CHECKSUM_CHUNK)] or [xxhash.xxh3_64_intdigest(data)]
-
-
-class ChunkHasher:
-    """``checksum`` of a flat uint8 CPU tensor, computed as its bytes become final: ``update(n)``
-    hashes bytes ``[done, n)`` (so each piece can be hashed right after it was written, from
-    cache), ``sums()`` returns the same list ``checksum`` would. Raises ValueError for ``n``
-    going backwards or past the end, and for ``sums()`` before every byte was hashed."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._data = _host_bytes(buffer) if buffer.numel() else memoryview(b"")
-        self._state = xxhash.xxh3_64()
-        self._done = 0
-        self._sums: list[int] = []
-
-    def update(self, n: int) -> None:
-        if not self._done <= n <= len(self._data):
-            raise ValueError(f"ChunkHasher.update({n}): expected {self._done} to {len(self._data)}")
-        while self._done < n:
-            end = min(n, (self._done // CHECKSUM_CHUNK + 1) * CHECKSUM_CHUNK)
-            self._state.update(self._data[self._done:end])
-            self._done = end
-            if end % CHECKSUM_CHUNK == 0:
-                self._sums.append(self._state.intdigest())
-                self._state.reset()
-
-    def sums(self) -> list[int]:
-        if self._done != len(self._data):
-            raise ValueError(f"ChunkHasher.sums(): {self._done} of {len(self._data)} bytes hashed")
-        return self._sums + [self._state.intdigest()] if self._done % CHECKSUM_CHUNK or not self._sums \
-            else list(self._sums)
 
 
 @dataclass(frozen=True)

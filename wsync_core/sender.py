@@ -21,7 +21,7 @@ from .deadline import Deadline
 from .delta import Costs, Mirror, wire_layout
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
 from .layout import Layout, clip_keys
-from .protocol import CHECKSUM_CHUNK, HASH_STEP, Ack, ChunkHasher, Header, checksum
+from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
 from .weights import Weights, device_of, flatten, meta_keys
@@ -217,22 +217,15 @@ class Sender:
         buffer = endpoint.acquire(deadline)
         tensor = buffer.tensor
         step = endpoint.stream_bytes
-        sums = None
         if step > 0 and not self.transport.checksum:  # a checksum needs the whole payload first
             joined = [w for w in targets if w in self._joined]
             self.layout.pack_stream(tensors, tensor, step, lambda n: endpoint.ready(buffer, n, joined))
-        elif self.transport.checksum and tensor.device.type == "cpu" and tensor.numel() >= CHECKSUM_CHUNK:
-            # hash each piece right after the copy wrote it, from cache, not in a pass of its own
-            hasher = ChunkHasher(tensor)
-            self.layout.pack_stream(tensors, tensor, HASH_STEP, hasher.update)
-            sums = hasher.sums()
         else:
             self.layout.pack(tensors, tensor)
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
         buffer.used = tensor.numel()
-        if sums is None and self.transport.checksum:
-            sums = checksum(tensor)
+        sums = checksum(tensor) if self.transport.checksum else None
         header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, sums)
         t1 = time.perf_counter()
         self.version = version
