@@ -33,8 +33,8 @@ _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
 _BYE_LINGER_MS = 500
-#: how long ``recv`` waits for the answer to a probe, whatever its deadline (seconds); without one
-#: it returns the delivery it holds
+#: how long ``recv`` waits at least for the answer to a probe (seconds; up to its deadline if that
+#: is later, as ``wsync_core.stream`` does); without one it returns the delivery it holds
 _PROBE_WAIT_S = 0.5
 
 
@@ -93,7 +93,8 @@ class ZmqReceiver(ReceiverBase):
             self._probe += 1
             self._send(PROBE + str(self._probe).encode(), "probe")
             self._wanted, self._answer = True, None
-            self._wait(Deadline(_PROBE_WAIT_S), lambda: self._answer is not None)
+            # until the deadline: a sender busy in Python (its GIL held) answers late, never wrongly
+            self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer is not None)
             if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
                 self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
         else:
