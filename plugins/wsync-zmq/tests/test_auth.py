@@ -52,8 +52,8 @@ def test_allowed_client_key_works_others_are_refused_and_logged(keys, spawn, cap
     intruder = plain.socket(zmq.DEALER)  # no CURVE at all: says hello and forges an ack
     intruder.linger = 0
     intruder.connect(address)
-    intruder.send_multipart([HELLO, Hello(1, "policy", "x", 1).encode()])
-    intruder.send_multipart([ACK, Ack(1, 0).encode()])
+    intruder.send(HELLO + Hello(1, "policy", "x", 1).encode())
+    intruder.send(ACK + Ack(1, 0).encode())
     try:
         with pytest.raises(WorkerTimeoutError) as info:  # only worker 0 holds an allowed key
             sender.connect(timeout=8.0)

@@ -18,7 +18,7 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import Ack, Header, checksum
 from wsync_core.weights import flatten
 from wsync_zmq import ZmqTransport
-from wsync_zmq.wire import ACK, DATA, HELLO, Hello
+from wsync_zmq.wire import ACK, DATA, HELLO, Hello, encode_delivery
 from zmq_helpers import digest, make_model
 
 
@@ -46,11 +46,11 @@ def test_sender_survives_garbage_from_raw_and_zmq_peers(spawn, context, caplog):
                 raw.sendall(junk)
         # zmq peers: wrong kinds, too many frames, oversized frames, bad hellos, acks without hello
         garbage = [
-            [b"X"], [b""], [HELLO], [HELLO, b"{not json"], [HELLO, b"[]"],
-            [HELLO, json.dumps({"wsync": 1, "w": 99, "m": "policy", "d": "x", "n": 1}).encode()],
-            [HELLO, json.dumps({"wsync": 1, "w": -1, "m": "policy", "d": "x", "n": 1}).encode()],
-            [HELLO, b"x" * 5000], [ACK] * 50, [ACK, Ack(0, 1).encode()], [b"B"],
-            [DATA, b"{}", b"payload"], [ACK, b"\x00" * (200 * 1024)],
+            [b"X"], [b""], [HELLO], [HELLO + b"{not json"], [HELLO + b"[]"], [HELLO, Hello(0, "policy", "x", 1).encode()],
+            [HELLO + json.dumps({"wsync": 1, "w": 99, "m": "policy", "d": "x", "n": 1}).encode()],
+            [HELLO + json.dumps({"wsync": 1, "w": -1, "m": "policy", "d": "x", "n": 1}).encode()],
+            [HELLO + b"x" * 5000], [ACK] * 50, [ACK + Ack(0, 1).encode()], [b"B"], [b"Bx"], [b"W", b""],
+            [encode_delivery(b"{}", b"payload")], [ACK + b"\x00" * (200 * 1024)],
         ]
         peers = []
         for frames in garbage:
@@ -64,7 +64,7 @@ def test_sender_survives_garbage_from_raw_and_zmq_peers(spawn, context, caplog):
         impostor.linger = 0
         impostor.routing_id = b"\x00\x6b\x8b\x45\x67"
         impostor.connect(options["address"])
-        impostor.send_multipart([ACK, Ack(0, 99).encode()])
+        impostor.send(ACK + Ack(0, 99).encode())
         time.sleep(0.5)
         for v in (1, 2):
             with torch.no_grad():
@@ -91,7 +91,7 @@ def test_forged_ack_never_completes_a_send(context):
         forger = context.socket(zmq.DEALER)
         forger.linger = 0
         forger.connect(scheme.transport.options["address"])
-        forger.send_multipart([ACK, Ack(0, 1).encode()])
+        forger.send(ACK + Ack(0, 1).encode())
         # the real worker does not call receive(): only a forged ack could complete this send
         with pytest.raises(WorkerTimeoutError) as info:
             scheme.send(timeout=1.5)
@@ -116,10 +116,10 @@ class FakeSender:
     def wait_hello(self, timeout: float = 30.0) -> Hello:
         end = time.monotonic() + timeout
         while self.sock.poll(max(0.0, end - time.monotonic()) * 1000):
-            rid, kind, *body = self.sock.recv_multipart()
-            if kind == HELLO:  # (acks, including the receiver's rejections, are skipped)
+            rid, message, *_ = self.sock.recv_multipart()
+            if message[:1] == HELLO:  # (acks, including the receiver's rejections, are skipped)
                 self.rid = rid
-                return Hello.decode(body[0])
+                return Hello.decode(message[1:])
         raise AssertionError("the receiver never said hello")
 
     def valid(self, version: int, *, layout: bool = False) -> tuple[bytes, bytes]:
@@ -131,6 +131,10 @@ class FakeSender:
 
     def send(self, *frames: bytes) -> None:
         self.sock.send_multipart([self.rid, *frames])
+
+    def deliver(self, header: bytes, payload: bytes, separate: bool = False) -> None:
+        """A delivery as the zmq sender frames it: in one frame, or (``separate``) the payload in a second."""
+        self.send(*([encode_delivery(header), payload] if separate else [encode_delivery(header, payload)]))
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -147,7 +151,7 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
     thread.start()
     try:
         assert fake.wait_hello().worker == 0
-        fake.send(DATA, *fake.valid(0, layout=True))
+        fake.deliver(*fake.valid(0, layout=True))
         thread.join(30)
         assert receiver.version == 0 and digest(local) == digest(source)
         good = digest(local)
@@ -155,16 +159,23 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
         header, payload = fake.valid(1)
         bad_crc = bytearray(payload)
         bad_crc[7] ^= 0xFF
+        length = len(header).to_bytes(4, "big")
         cases = {
-            "too few frames": [DATA, header],
-            "too many frames": [DATA, header, payload, b"extra"],
-            "wrong kind": [b"Q", header, payload],
-            "empty header": [DATA, b"", payload],
-            "header not json": [DATA, b"\x80garbage", payload],
-            "payload too long": [DATA, header, payload + b"\x00" * 64],
-            "payload truncated": [DATA, header, payload[:-64]],
-            "damaged payload": [DATA, header, bytes(bad_crc)],
-            "header lies about size": [DATA, Header(1, "policy", fake.layout.digest, 10**12).encode(), payload],
+            "no header length": [DATA],
+            "header length beyond its frame": [DATA + (len(header) + 1).to_bytes(4, "big") + header],
+            "header length beyond the bound": [DATA + (1 << 31).to_bytes(4, "big") + header + payload],
+            "the old three frames": [DATA, header, payload],
+            "too many frames": [encode_delivery(header), payload, b"extra"],
+            "payload in both frames": [encode_delivery(header, payload[:8]), payload],
+            "wrong kind": [b"Q" + length + header + payload],
+            "empty header": [encode_delivery(b"", payload)],
+            "header not json": [encode_delivery(b"\x80garbage", payload)],
+            "payload too long": [encode_delivery(header, payload + b"\x00" * 64)],
+            "payload truncated": [encode_delivery(header, payload[:-64])],
+            "separate payload truncated": [encode_delivery(header), payload[:-64]],
+            "damaged payload": [encode_delivery(header, bytes(bad_crc))],
+            "damaged separate payload": [encode_delivery(header), bytes(bad_crc)],
+            "header lies about size": [encode_delivery(Header(1, "policy", fake.layout.digest, 10**12).encode(), payload)],
         }
         for name, frames in cases.items():
             fake.send(*frames)
@@ -174,7 +185,7 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
 
         # a frame beyond the receiver's bound is refused by libzmq before allocation: the
         # connection drops, nothing is applied, and the receiver reconnects and says hello again
-        fake.send(DATA, header, b"\x00" * (8 << 20))
+        fake.deliver(header, b"\x00" * (8 << 20), separate=True)
         hello = None
         end = time.monotonic() + 30
         while hello is None and time.monotonic() < end:
@@ -189,7 +200,7 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
         with torch.no_grad():
             source[0].weight.mul_(2)
         fake.tensors = flatten(source)
-        fake.send(DATA, *fake.valid(2))
+        fake.deliver(*fake.valid(2), separate=True)
         assert receiver.receive(timeout=10.0) == 2 and digest(local) == digest(source)
     finally:
         thread.join(30)
@@ -208,7 +219,7 @@ def test_receiver_keeps_its_version_when_the_sender_dies(context):
     thread.start()
     try:
         fake.wait_hello()
-        fake.send(DATA, *fake.valid(0, layout=True))
+        fake.deliver(*fake.valid(0, layout=True))
         thread.join(30)
         fake.close()
         assert receiver.receive(timeout=0.5) is None
@@ -233,17 +244,17 @@ def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
     hostile = context.socket(zmq.DEALER)
     hostile.linger = 0
     hostile.connect(address)
-    hostile.send_multipart([HELLO, Hello(1, "policy", layout.digest, layout.nbytes).encode()])
-    hostile.send_multipart([ACK, Ack(1, 0).encode()])  # it holds version 0, as far as the sender knows
+    hostile.send(HELLO + Hello(1, "policy", layout.digest, layout.nbytes).encode())
+    hostile.send(ACK + Ack(1, 0).encode())  # it holds version 0, as far as the sender knows
     thread = threading.Thread(target=receiver.connect)
     thread.start()
     try:
         scheme.connect()
         thread.join(30)
-        hostile.send_multipart([ACK, b'{"wsync":1,"w":1,"v":' + b"7" * 5000 + b"}"])
-        hostile.send_multipart([HELLO, b'{"wsync":1,"w":1,"m":' + b"[" * 1500 + b"]" * 1500 + b"}"])
+        hostile.send(ACK + b'{"wsync":1,"w":1,"v":' + b"7" * 5000 + b"}")
+        hostile.send(HELLO + b'{"wsync":1,"w":1,"m":' + b"[" * 1500 + b"]" * 1500 + b"}")
         time.sleep(0.3)  # one at a time: each reaches the sender's service thread on its own poll
-        hostile.send_multipart([ACK, b'{"wsync":1,"w":1,"v":0,"e":' + b"[" * 5000 + b"]" * 5000 + b"}"])
+        hostile.send(ACK + b'{"wsync":1,"w":1,"v":0,"e":' + b"[" * 5000 + b"]" * 5000 + b"}")
         end = time.monotonic() + 20
         while caplog.text.count("sent a malformed ack") < 2 and time.monotonic() < end:
             time.sleep(0.05)

@@ -116,6 +116,36 @@ def test_independent_receiver_builds_its_own_scheme(sender):
         receiver.shutdown()
 
 
+@pytest.mark.parametrize("kib", [4, 256])
+def test_a_large_payload_is_adopted_a_small_one_copied_and_a_worker_write_stays_local(sender, kib):
+    """Above 64 KiB the payload comes in a frame of its own, which the worker's model adopts (its
+    tensor then views a new frame each version: no copy); a small one is copied into the model.
+    Either way a write to the worker's model changes nothing the sender sends next."""
+    model = {"w": torch.arange(kib * 256, dtype=torch.float32)}
+    scheme = sender(1, model, timeout=30.0)
+    local = {"w": torch.zeros(kib * 256)}
+    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        scheme.connect()
+        thread.join(30)
+        addresses = [local["w"].data_ptr()]
+        for v in (1, 2):
+            model["w"].add_(1.0)
+            handle = scheme.send_async()
+            assert receiver.receive(timeout=30.0) == v and handle.wait() == v
+            assert torch.equal(local["w"], model["w"])
+            addresses.append(local["w"].data_ptr())
+            local["w"].mul_(-1.0)  # the worker's own write: the next version overwrites it
+        moved = [a != b for a, b in zip(addresses, addresses[1:])]  # (a freed frame's address may come back)
+        assert moved == ([True, True] if kib > 64 else [False, False])
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+
+
 def test_schema_mismatch_is_reported_without_sending_the_payload(sender):
     scheme = sender(1, make_model(0, width=8), timeout=20.0)
     wrong = make_model(1, width=5)

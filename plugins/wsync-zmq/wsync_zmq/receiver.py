@@ -5,9 +5,12 @@ asked for), so at most one delivery waits here while the worker is away (beyond 
 reading). One that did wait is checked on the next ``recv`` with a probe: the sender answers with
 anything newer it holds, and only the newest is returned.
 
-Frames larger than this worker's model (or a generous header bound) are refused by libzmq
-before it allocates them; everything else is checked by ``wire.decode_delivery`` before the
-core sees it. The payload tensor reads the received frame in place.
+Frames larger than this worker's model and a generous header bound together are refused by
+libzmq before it allocates them; everything else is checked by ``wire.decode_delivery`` before
+the core sees it. The payload tensor reads the received frame in place. A payload that came in
+a frame of its own (a large one) is this worker's to keep: libzmq allocated that frame for it
+alone, and nothing else reads or reuses it. It is handed over as adoptable, so the model's tensors
+become views of it instead of copies (the frame lives as long as a tensor views it).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import zmq
 from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
-from .wire import (ACK, BYE, CURRENT, DATA, HELLO, NEWER, PROBE, WANT, Hello, decode_answer, decode_delivery,
-                   header_limit, payload_tensor)
+from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, WANT, Hello, decode_answer,
+                   decode_delivery, header_limit, payload_tensor)
 
 __all__ = ["ZmqReceiver"]
 
+_POLLIN = int(zmq.POLLIN)
+_ANSWERS = (CURRENT[0], NEWER[0])
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
 _BYE_LINGER_MS = 500
-#: how long ``recv`` waits for the answer to a probe, whatever its deadline (seconds); without one
-#: it returns the delivery it holds
+#: how long ``recv`` waits at least for the answer to a probe (seconds; up to its deadline if that
+#: is later, as ``wsync_core.stream`` does); without one it returns the delivery it holds
 _PROBE_WAIT_S = 0.5
 
 
@@ -60,7 +65,7 @@ class ZmqReceiver(ReceiverBase):
         self._connected = self._wanted = False
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.DEALER)
-        configure(sock, opts, max(self._nbytes, self._max_header), rcvhwm=4, sndhwm=64)
+        configure(sock, opts, DELIVERY_HEAD + self._max_header + self._nbytes, rcvhwm=4, sndhwm=64)
         if opts["curve_server_key"]:
             sock.curve_serverkey = opts["curve_server_key"].encode()
             if opts["curve_client_key"]:
@@ -86,9 +91,10 @@ class ZmqReceiver(ReceiverBase):
         if self._mail is not None and self._connected:
             # it waited here while the worker was away: newer versions may wait at the sender
             self._probe += 1
-            self._send([PROBE, str(self._probe).encode()], "probe")
+            self._send(PROBE + str(self._probe).encode(), "probe")
             self._wanted, self._answer = True, None
-            self._wait(Deadline(_PROBE_WAIT_S), lambda: self._answer is not None)
+            # until the deadline: a sender busy in Python (its GIL held) answers late, never wrongly
+            self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer is not None)
             if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
                 self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
         else:
@@ -113,7 +119,7 @@ class ZmqReceiver(ReceiverBase):
 
     def _want(self) -> None:
         if self._connected and not self._wanted and self._sock is not None:
-            self._send([WANT], "want")
+            self._send(WANT, "want")
             self._wanted = True
 
     def wake(self) -> None:
@@ -130,7 +136,7 @@ class ZmqReceiver(ReceiverBase):
             log.debug("worker %d: socket event %s", self._worker, zmq.Event(kind).name)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
-                self._send([HELLO, self._hello], "hello")
+                self._send(HELLO + self._hello, "hello")
                 self._wanted = True  # a hello asks for the current version
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._connected = False
@@ -158,15 +164,15 @@ class ZmqReceiver(ReceiverBase):
     def _read(self) -> bool:
         """Read one message if one waits; False if none did. Raises TransportError if it is malformed."""
         sock = self._sock
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than raising zmq.Again
+        if not sock.get(zmq.EVENTS) & _POLLIN:  # cheaper than raising zmq.Again
             return False
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        rest, extra = rest_of(sock, first, 2)
+        rest, extra = rest_of(sock, first, 1)
         frames = [first, *rest]
-        if len(frames) == 2 and bytes(memoryview(first)) in (CURRENT, NEWER):
+        if len(frames) == 1 and len(first) and memoryview(first).cast("B")[0] in _ANSWERS:
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:
                 self._answer = kind
@@ -177,19 +183,20 @@ class ZmqReceiver(ReceiverBase):
         except TransportError:
             self._want()  # no ack follows: ask for the next version now
             raise
-        self.put(Delivery(header, payload_tensor(payload)))
+        # a frame of its own (len(frames) == 2) is exclusively this worker's: the model may adopt it
+        self.put(Delivery(header, payload_tensor(payload), adoptable=len(frames) == 2))
         self._answer = DATA
         return True
 
     def ack(self, data: bytes) -> None:
         """Send an ack, which also asks for the next version."""
         self.check_open()
-        self._send([ACK, data], "ack")
+        self._send(ACK + data, "ack")
         self._wanted = self._connected
 
-    def _send(self, parts: list[bytes], what: str) -> None:
+    def _send(self, message: bytes, what: str) -> None:
         try:
-            self._sock.send_multipart(parts, zmq.NOBLOCK)
+            self._sock.send(message, zmq.NOBLOCK)
         except zmq.Again:
             raise TransportError(f"worker {self._worker} could not queue its {what}: the sender is not "
                                  f"reading (send queue full)") from None

@@ -1,4 +1,5 @@
-"""The trainer's side: one ROUTER socket; the snapshot goes out as a zero-copy frame to each worker.
+"""The trainer's side: one ROUTER socket; a small snapshot goes out in its header's frame, a large one
+as a zero-copy frame of its own, to each worker.
 
 Workers are known by their hello, not by their socket identity: the newest hello for a worker
 wins, and only that connection's acks count. A worker gets a version only when it asked for one
@@ -20,15 +21,16 @@ from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase,
 from wsync_core.forked import close_inherited
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
-from .wire import ACK, BYE, CURRENT, DATA, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer
+from .wire import ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer, encode_delivery
 
 __all__ = ["ZmqSender"]
 
-#: payloads up to this many bytes are copied into their frame (a zero-copy frame costs more: pyzmq
-#: hands it back through its collector thread)
+#: payloads up to this many bytes are copied into their header's frame (a zero-copy frame costs
+#: more: pyzmq hands it back through its collector thread; and one frame is one libzmq call)
 _COPY_BELOW = 64 * 1024
 #: messages read from peers per poll at most (so a flood cannot starve the caller)
 _MAX_READS = 1000
+_POLLIN = int(zmq.POLLIN)
 _MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -151,16 +153,15 @@ class ZmqSender(SenderBase):
                 return
             raise wrap(exc, f"sending to worker {w}") from exc
         del self._waiting[w]
-        sock.send(DATA, zmq.SNDMORE)
-        sock.send(header, zmq.SNDMORE)
         peer.wants = False
         payload = buffer.payload
         if not peer.fits or payload.numel() <= _COPY_BELOW:
-            # small: a copy is cheaper than a zero-copy frame; a worker whose schema differs gets
+            # small: one frame, header and a copy of the payload; a worker whose schema differs gets
             # the header alone, which lets its core name the mismatch
-            sock.send(payload.numpy() if peer.fits else b"", copy=True)
+            sock.send(encode_delivery(header, payload.numpy() if peer.fits else b""), copy=True)
             self.let_go(buffer, w)
             return
+        sock.send(encode_delivery(header), zmq.SNDMORE)
         view = payload.numpy()  # libzmq holds it until the bytes left: then the buffer is free again
         with self.cond:
             peer.sending += 1
@@ -209,14 +210,16 @@ class ZmqSender(SenderBase):
     def _read_peers(self) -> None:
         sock = self._sock
         for _ in range(_MAX_READS):
+            if not sock.get(zmq.EVENTS) & _POLLIN:  # cheaper than raising zmq.Again
+                return
             try:
                 rid_frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             rid, fd = rid_frame.bytes, _source_fd(rid_frame)
-            frames, extra = rest_of(sock, rid_frame, 3)
+            frames, extra = rest_of(sock, rid_frame, 1)
             try:
-                msg = decode_peer([f.bytes for f in frames], extra)
+                msg = decode_peer(frames, extra)
             except TransportError as exc:
                 log.warning("zmq sender ignored a message from peer %s: %s", rid.hex(), exc)
                 continue
@@ -264,7 +267,7 @@ class ZmqSender(SenderBase):
     def _answer(self, w: int, kind: bytes, seq: bytes) -> None:
         """Tell worker ``w`` whether a newer version follows (NEWER) or not (CURRENT)."""
         try:
-            self._sock.send_multipart([self._peers[w].rid, kind, seq], zmq.NOBLOCK)
+            self._sock.send_multipart([self._peers[w].rid, kind + seq], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("zmq sender: worker %d's queue is full; its probe goes unanswered", w)
         except zmq.ZMQError as exc:

@@ -9,11 +9,13 @@ from typing import Any
 
 import zmq
 import zmq.utils.garbage
+from zmq.utils.monitor import recv_monitor_message
 from wsync_core import TransportError
 
 __all__ = ["log", "configure", "monitor_events", "rest_of", "close_all", "wrap"]
 
 log = logging.getLogger("wsync.zmq")
+_POLLIN = int(zmq.POLLIN)
 
 
 def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int) -> None:
@@ -31,10 +33,8 @@ def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm:
 
 def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
     """Every socket-monitor event waiting on ``monitor``, without blocking."""
-    from zmq.utils.monitor import recv_monitor_message
-
     events = []
-    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    while monitor.get(zmq.EVENTS) & _POLLIN:  # (an int: no enum to build on this hot path)
         events.append(recv_monitor_message(monitor))
     return events
 

@@ -1,19 +1,29 @@
 """The zmq transport's messages, and their decoders: frame counts, kinds and sizes, checked first.
 
-Sender -> receiver: ``[b"D", header, payload]`` (header: the core's JSON; payload: raw bytes), and
-the answer to probe ``seq``: ``[b"C", seq]`` (nothing newer) or ``[b"N", seq]`` (a newer one follows).
-Receiver -> sender: ``[b"H", hello]`` on every (re)connection, ``[b"A", ack]``, ``[b"B"]`` on close,
-``[b"W"]`` (a want: send me the next version) and ``[b"P", seq]`` (a probe: a want that asks for
+Every message is one frame (after the ROUTER's routing id), whose first byte is its kind; the
+one exception is a large payload, which follows its header as a second, zero-copy frame. One
+frame per message means one libzmq call per message on each side.
+
+Sender -> receiver: a delivery, ``b"D"``, the header's length (4 bytes, big-endian), the header
+(the core's JSON), then the payload (raw bytes), in one frame; or, for a large payload, that
+frame without the payload and the payload as a second frame. The answer to probe ``seq``:
+``b"C" + seq`` (nothing newer) or ``b"N" + seq`` (a newer one follows).
+Receiver -> sender: ``b"H" + hello`` on every (re)connection, ``b"A" + ack``, ``b"B"`` on close,
+``b"W"`` (a want: send me the next version) and ``b"P" + seq`` (a probe: a want that asks for
 an answer now).
 A hello and an ack also count as a want.
 Flow control: the sender sends a worker a version only against a want, so at most one delivery is
 on its way to a worker and newer versions replace one another at the sender until it asks again.
-Nothing here unpickles; a malformed message raises TransportError and is dropped.
+Sizes are bounded twice: libzmq refuses a frame larger than the socket's bound before it
+allocates it, and the decoders check the header's declared length against the frame and the
+limit before reading it. Nothing here unpickles; a malformed message raises TransportError and
+is dropped.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +36,9 @@ from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decod
 
 __all__ = [
     "DATA", "CURRENT", "NEWER", "HELLO", "ACK", "BYE", "WANT", "PROBE",
-    "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES",
+    "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES", "DELIVERY_HEAD",
     "Hello", "PeerMessage",
-    "header_limit", "decode_delivery", "decode_answer", "decode_peer", "payload_tensor",
+    "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "decode_peer", "payload_tensor",
 ]
 
 DATA, CURRENT, NEWER = b"D", b"C", b"N"
@@ -39,6 +49,9 @@ MAX_SEQ_BYTES = 20
 MAX_HELLO_BYTES = 4096
 #: the largest frame a sender accepts from any peer (libzmq drops a peer that sends more)
 MAX_PEER_FRAME = MAX_ACK_BYTES + 4096
+_LENGTH = struct.Struct(">I")
+#: the bytes before a delivery's header: its kind and the header's length
+DELIVERY_HEAD = 1 + _LENGTH.size
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -96,62 +109,84 @@ def header_limit(layout: Layout) -> int:
     return min(MAX_HEADER_BYTES, 4 * len(layout.to_json()) + (1 << 20))
 
 
-def decode_delivery(frames: Sequence[Any], extra: int, nbytes: int, max_header: int) -> tuple[bytes, Any]:
-    """Check a sender -> receiver message; returns (header bytes, payload frame).
+def encode_delivery(header: bytes, payload: Buffer = b"") -> bytes:
+    """A delivery's first frame: kind, header length, header, then ``payload`` (empty when the
+    payload goes as a frame of its own)."""
+    return b"".join((DATA, _LENGTH.pack(len(header)), header, payload))
 
-    ``extra`` counts frames beyond those in ``frames`` (already discarded). The payload may be
-    shorter than ``nbytes`` (the core then reports the mismatch) but never longer. Raises
-    TransportError for a wrong frame count, kind or size.
+
+def decode_delivery(frames: Sequence[Any], extra: int, nbytes: int, max_header: int) -> tuple[bytes, Any]:
+    """Check a sender -> receiver delivery; returns (header bytes, payload: a frame or a view of one).
+
+    ``extra`` counts frames beyond those in ``frames`` (already discarded). The header's declared
+    length is checked against ``max_header`` and the frame before the header is read. The
+    payload may be shorter than ``nbytes`` (the core then reports the mismatch) but never longer.
+    Raises TransportError for a wrong frame count, kind or size.
     """
-    if extra or len(frames) != 3 or bytes(memoryview(frames[0])) != DATA:
-        raise TransportError(f"malformed message from the sender: expected 3 frames [b'D', header, payload], "
-                             f"got {_describe(frames, extra)}")
-    header, payload = frames[1], frames[2]
-    if not 0 < _size(header) <= max_header:
-        raise TransportError(f"header of {_size(header)} bytes from the sender is out of bounds "
-                             f"(1 to {max_header} bytes)")
+    head = memoryview(frames[0]).cast("B") if frames else memoryview(b"")
+    if extra or not 1 <= len(frames) <= 2 or head.nbytes < DELIVERY_HEAD or head[:1] != DATA:
+        raise TransportError(f"malformed message from the sender: expected [b'D' + length + header + payload] "
+                             f"or [b'D' + length + header, payload], got {_describe(frames, extra)}")
+    size = _LENGTH.unpack_from(head, 1)[0]
+    end = DELIVERY_HEAD + size
+    if not 0 < size <= max_header:
+        raise TransportError(f"header of {size} bytes from the sender is out of bounds (1 to {max_header} bytes)")
+    if end > head.nbytes:
+        raise TransportError(f"header of {size} bytes from the sender is longer than its frame "
+                             f"({head.nbytes - DELIVERY_HEAD} bytes)")
+    if len(frames) == 2 and end != head.nbytes:
+        raise TransportError(f"malformed message from the sender: a payload both in the header's frame "
+                             f"({head.nbytes - end} bytes) and in a frame of its own")
+    payload = frames[1] if len(frames) == 2 else head[end:]
     if _size(payload) > nbytes:
         raise TransportError(f"payload of {_size(payload)} bytes from the sender is larger than this "
                              f"receiver's model ({nbytes} bytes)")
-    return bytes(memoryview(header)), payload
+    return bytes(head[DELIVERY_HEAD:end]), payload
 
 
-def _seq(frame: Any, who: str) -> bytes:
-    data = bytes(memoryview(frame)) if _size(frame) <= MAX_SEQ_BYTES else b""
-    if not data.isdigit():
-        raise TransportError(f"malformed probe number from {who}: {_size(frame)} bytes, expected 1 to "
+def _seq(data: memoryview, who: str) -> bytes:
+    seq = bytes(data) if data.nbytes <= MAX_SEQ_BYTES else b""
+    if not seq.isdigit():
+        raise TransportError(f"malformed probe number from {who}: {data.nbytes} bytes, expected 1 to "
                              f"{MAX_SEQ_BYTES} decimal digits")
-    return data
+    return seq
+
+
+def _kind_and_body(frames: Sequence[Any]) -> tuple[bytes, memoryview]:
+    """A one-frame message's kind (its first byte; b"" if none) and the rest of the frame."""
+    if len(frames) != 1:
+        return b"", memoryview(b"")
+    data = memoryview(frames[0]).cast("B")
+    return bytes(data[:1]), data[1:]
 
 
 def decode_answer(frames: Sequence[Any], extra: int) -> tuple[bytes, bytes]:
-    """Check a sender's answer to a probe, ``[b"C", seq]`` or ``[b"N", seq]``; returns (kind, seq).
+    """Check a sender's answer to a probe, ``b"C" + seq`` or ``b"N" + seq``; returns (kind, seq).
     Raises TransportError if malformed."""
-    kind = bytes(memoryview(frames[0])) if frames and _size(frames[0]) == 1 else b""
-    if extra or len(frames) != 2 or kind not in (CURRENT, NEWER):
-        raise TransportError(f"malformed message from the sender: expected [b'C', seq] or [b'N', seq], "
+    kind, body = _kind_and_body(frames)
+    if extra or kind not in (CURRENT, NEWER):
+        raise TransportError(f"malformed message from the sender: expected [b'C' + seq] or [b'N' + seq], "
                              f"got {_describe(frames, extra)}")
-    return kind, _seq(frames[1], "the sender")
+    return kind, _seq(body, "the sender")
 
 
 def decode_peer(frames: Sequence[Any], extra: int) -> PeerMessage:
-    """Check a receiver -> sender message (routing id already removed).
+    """Check a receiver -> sender message (routing id already removed): one frame, kind first.
 
     Raises TransportError for a wrong frame count, kind, size or a malformed hello.
     """
-    kind = bytes(memoryview(frames[0])) if frames and _size(frames[0]) == 1 else None
-    expected = {HELLO: 2, ACK: 2, BYE: 1, WANT: 1, PROBE: 2}.get(kind) if kind else None
-    if extra or expected is None or len(frames) != expected:
-        raise TransportError(f"malformed message from a peer: expected [b'H', hello], [b'A', ack], [b'B'], "
-                             f"[b'W'] or [b'P', seq], got {_describe(frames, extra)}")
+    kind, body = _kind_and_body(frames)
+    if extra or kind not in (HELLO, ACK, BYE, WANT, PROBE) or kind in (BYE, WANT) and body.nbytes:
+        raise TransportError(f"malformed message from a peer: expected [b'H' + hello], [b'A' + ack], [b'B'], "
+                             f"[b'W'] or [b'P' + seq], got {_describe(frames, extra)}")
     if kind == PROBE:
-        return PeerMessage(kind, seq=_seq(frames[1], "a peer"))
+        return PeerMessage(kind, seq=_seq(body, "a peer"))
     if kind == HELLO:
-        return PeerMessage(kind, hello=Hello.decode(frames[1]))
+        return PeerMessage(kind, hello=Hello.decode(body))
     if kind == ACK:
-        if _size(frames[1]) > MAX_ACK_BYTES:
-            raise TransportError(f"ack of {_size(frames[1])} bytes exceeds the limit of {MAX_ACK_BYTES} bytes")
-        return PeerMessage(kind, data=bytes(memoryview(frames[1])))
+        if body.nbytes > MAX_ACK_BYTES:
+            raise TransportError(f"ack of {body.nbytes} bytes exceeds the limit of {MAX_ACK_BYTES} bytes")
+        return PeerMessage(kind, data=bytes(body))
     return PeerMessage(kind)
 
 
