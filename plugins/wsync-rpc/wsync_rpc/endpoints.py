@@ -3,6 +3,11 @@
 Every message is a TorchScript function whose body is a ``wsync_rpc::`` operator implemented
 here in Python: RPC carries its arguments (ints and tensors) with TorchScript's own tensor
 serializer, so wsync's traffic never goes through Python's pickle.
+
+Deliveries are numbered when published (``seq``, one number per publish). A receiver whose
+``receive()`` finds a delivery waiting asks the sender (``_newest``) the number of the newest it
+published to this worker, and waits for that one (``ReceiverBase``'s probe): a worker that was
+away never applies a version that a newer one published before its ``receive()`` replaced.
 """
 
 from __future__ import annotations
@@ -72,6 +77,15 @@ def _deliver_impl(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
     return 1
 
 
+def _newest_impl(worker: int) -> int:
+    """The number of the newest delivery published to ``worker`` (0: none yet); -1 if this process
+    is no sender or has no such worker. Never blocks (a dict read)."""
+    sender = _owned(RpcSender)
+    if sender is None or not 0 <= worker < sender.ctx.num_workers:
+        return -1
+    return sender.published.get(worker, 0)
+
+
 def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
     sender = _owned(RpcSender)
     if sender is None or not 0 <= worker < sender.ctx.num_workers:
@@ -88,8 +102,10 @@ def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
 _lib = torch.library.Library("wsync_rpc", "DEF")
 _lib.define("deliver(int seq, Tensor header, Tensor payload) -> int")
 _lib.define("event(int kind, int worker, Tensor data) -> int")
+_lib.define("newest(int worker) -> int")
 _lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
 _lib.impl("event", _event_impl, "CompositeExplicitAutograd")
+_lib.impl("newest", _newest_impl, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
@@ -100,6 +116,11 @@ def _deliver(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
 @torch.jit.script
 def _event(kind: int, worker: int, data: torch.Tensor) -> int:
     return torch.ops.wsync_rpc.event(kind, worker, data)
+
+
+@torch.jit.script
+def _newest(worker: int) -> int:
+    return torch.ops.wsync_rpc.newest(worker)
 
 
 _JOIN, _ACK, _LEAVE = 0, 1, 2
@@ -321,14 +342,18 @@ class RpcSender(SenderBase):
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
         self.ready = False  # the RPC agent runs
-        self.pending: dict[int, tuple[torch.Tensor, Buffer]] = {}  # worker -> the newest (header, buffer) to send
+        self.pending: dict[int, tuple[int, torch.Tensor, Buffer]] = {}  # worker -> the newest (seq, header, buffer) to send
         self.inflight: set[int] = set()  # workers whose last delivery RPC is still sending
-        self.seq = itertools.count(1)  # numbers deliveries: a receiver keeps the newest whatever order RPC runs them in
+        #: numbers publishes: a receiver keeps the newest whatever order RPC runs them in, and waits for
+        #: the number ``published`` names when it asks
+        self.seq = itertools.count(1)
+        self.published: dict[int, int] = {}  # worker -> the number of the newest delivery published to it
         self.stopping = threading.Event()
         self.starter: threading.Thread | None = None
 
     def start(self, deadline: Deadline) -> None:
         self.stopping.clear()
+        self.published = {}
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
         self.starter = threading.Thread(target=self._start_agent, name="wsync-rpc-start", daemon=True)
         self.starter.start()
@@ -352,25 +377,27 @@ class RpcSender(SenderBase):
 
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         head = _as_tensor(header)
+        seq = next(self.seq)
         for w in workers:
             self.hold(buffer, w)  # until RPC has sent it, or a newer one replaced it
             older = self.pending.get(w)
-            self.pending[w] = (head, buffer)
+            self.pending[w] = (seq, head, buffer)
+            self.published[w] = seq  # what a receiver's probe (``_newest``) is told from now on
             if older is not None:
-                self.let_go(older[1], w)
+                self.let_go(older[2], w)
             self._pump(w)
 
     def _pump(self, worker: int) -> None:
         """Send ``worker`` its pending delivery unless one is in flight (with ``self.cond`` held)."""
         if not self.ready or worker in self.inflight or worker not in self.pending:
             return
-        head, buffer = self.pending.pop(worker)
+        seq, head, buffer = self.pending.pop(worker)
         self.inflight.add(worker)
         try:
             payload = buffer.payload  # a prefix for the core's deltas: copied, RPC would send its whole storage
             if payload.numel() < buffer.tensor.numel():
                 payload = payload.clone()
-            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, payload),
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(seq, head, payload),
                                 timeout=self.timeout)
         except RuntimeError as exc:
             self.inflight.discard(worker)
@@ -410,13 +437,17 @@ class RpcSender(SenderBase):
 
 
 class RpcReceiver(ReceiverBase):
-    """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox."""
+    """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox. A
+    ``receive()`` that finds one waiting first asks the sender for the newest number (``_newest``)
+    and waits for that delivery (at most ``probe_patience``: two RPC timeouts, the one in flight
+    and the newest)."""
 
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
         super().__init__(f"rpc {worker_name(ctx.worker_idx)}", ctx)
         self.options = options
         self.worker = ctx.worker_idx
         self.timeout = options["rpc_timeout"]
+        self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
         #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
         #: can arrive after a newer one and must not replace it
@@ -435,7 +466,22 @@ class RpcReceiver(ReceiverBase):
             if seq <= self.newest or not self.is_open:
                 return
             self.newest = seq
-            self.put(Delivery(header, payload))
+            self.put(Delivery(header, payload), seq)
+
+    def newest_published(self, deadline: Deadline) -> int | None:
+        """The sender's number for the newest delivery published to this worker, asked with one RPC
+        bounded by the deadline and ``rpc_timeout``; None if there is no time left or the sender
+        does not answer (``recv`` then returns what arrived; a lost sender shows in the next ack)."""
+        wait = min(deadline.remaining(), self.timeout)
+        if wait < 0.001:  # RPC reads a timeout of 0 as "forever"
+            return None
+        try:
+            newest = rpc.rpc_async(SENDER, _newest, args=(self.worker,), timeout=wait).wait()
+        except RuntimeError as exc:
+            log.debug("rpc: %s could not ask the sender for the newest version: %s", worker_name(self.worker),
+                      _brief(exc))
+            return None
+        return newest if isinstance(newest, int) and newest >= 0 else None
 
     def _tell(self, kind: int, data: bytes, wait: bool = False) -> torch.futures.Future:
         try:
