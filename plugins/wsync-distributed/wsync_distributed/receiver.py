@@ -110,15 +110,19 @@ class DistributedReceiver(ReceiverBase):
         """The ``seq`` of the newest version the sender published to this worker, read from its store
         (one round trip, bounded by the deadline and ``heartbeat_timeout``); None if there is no
         time left, the sender shut down, or its store does not answer (``recv`` then returns what
-        arrived; the heartbeat thread notices a store out of reach)."""
-        asker = self.asker
+        arrived; the heartbeat thread notices a store out of reach). A connection that failed is
+        made anew at the next call (the sender's store may be back, or another sender's)."""
         wait = min(deadline.remaining(), max(1.0, self.cfg.heartbeat_timeout))
-        if asker is None or self.bye or wait <= 0:
+        if self.bye or self.stopped.is_set() or wait <= 0:
             return None
+        asker = self.asker
         try:
+            if asker is None:
+                asker = self.asker = wire.connect(self.cfg, Deadline(wait))
             asker.set_timeout(timedelta(seconds=wait))
             return asker.add(wire.published_key(self.worker), 0)  # 0 if nothing was published to it yet
-        except RuntimeError as exc:
+        except (RuntimeError, TransportError) as exc:
+            self.asker = None
             log.debug("%s: cannot read the newest published version: %s", self.what, wire.brief(exc))
             return None
 

@@ -471,7 +471,7 @@ class RpcReceiver(ReceiverBase):
     def newest_published(self, deadline: Deadline) -> int | None:
         """The sender's number for the newest delivery published to this worker, asked with one RPC
         bounded by the deadline and ``rpc_timeout``; None if there is no time left or the sender
-        does not answer (``recv`` then returns what arrived; a lost sender shows in the next ack)."""
+        does not answer in time (``recv`` then returns what arrived)."""
         wait = min(deadline.remaining(), self.timeout)
         if wait < 0.001:  # RPC reads a timeout of 0 as "forever"
             return None
