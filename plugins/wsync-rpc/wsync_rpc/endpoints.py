@@ -4,10 +4,12 @@ Every message is a TorchScript function whose body is a ``wsync_rpc::`` operator
 here in Python: RPC carries its arguments (ints and tensors) with TorchScript's own tensor
 serializer, so wsync's traffic never goes through Python's pickle.
 
-Deliveries are numbered when published (``seq``, one number per publish). A receiver whose
-``receive()`` finds a delivery waiting asks the sender (``_newest``) the number of the newest it
-published to this worker, and waits for that one (``ReceiverBase``'s probe): a worker that was
-away never applies a version that a newer one published before its ``receive()`` replaced.
+Deliveries are numbered when published (``seq``, one number per publish), and the sender writes
+each worker's newest number to its TCP store at publish (``_newest_key``; one ``multi_set``, no
+reply awaited). A receiver whose ``receive()`` finds a delivery waiting reads that key (the
+store's C++ server answers even while the trainer's Python is busy) and waits for that delivery
+(``ReceiverBase``'s probe): a worker that was away never applies a version that a newer one
+published before its ``receive()`` replaced.
 """
 
 from __future__ import annotations
@@ -77,15 +79,6 @@ def _deliver_impl(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
     return 1
 
 
-def _newest_impl(worker: int) -> int:
-    """The number of the newest delivery published to ``worker`` (0: none yet); -1 if this process
-    is no sender or has no such worker. Never blocks (a dict read)."""
-    sender = _owned(RpcSender)
-    if sender is None or not 0 <= worker < sender.ctx.num_workers:
-        return -1
-    return sender.published.get(worker, 0)
-
-
 def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
     sender = _owned(RpcSender)
     if sender is None or not 0 <= worker < sender.ctx.num_workers:
@@ -102,10 +95,8 @@ def _event_impl(kind: int, worker: int, data: torch.Tensor) -> int:
 _lib = torch.library.Library("wsync_rpc", "DEF")
 _lib.define("deliver(int seq, Tensor header, Tensor payload) -> int")
 _lib.define("event(int kind, int worker, Tensor data) -> int")
-_lib.define("newest(int worker) -> int")
 _lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
 _lib.impl("event", _event_impl, "CompositeExplicitAutograd")
-_lib.impl("newest", _newest_impl, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
@@ -116,11 +107,6 @@ def _deliver(seq: int, header: torch.Tensor, payload: torch.Tensor) -> int:
 @torch.jit.script
 def _event(kind: int, worker: int, data: torch.Tensor) -> int:
     return torch.ops.wsync_rpc.event(kind, worker, data)
-
-
-@torch.jit.script
-def _newest(worker: int) -> int:
-    return torch.ops.wsync_rpc.newest(worker)
 
 
 _JOIN, _ACK, _LEAVE = 0, 1, 2
@@ -206,6 +192,11 @@ def _agent_store(host: str, port: int, wait: timedelta) -> dist.TCPStore:
 
 
 _WORLD_KEY = "wsync-rpc/world"
+
+
+def _newest_key(worker: int) -> str:
+    """The sender's store key holding the number (decimal) of the newest delivery published to ``worker``."""
+    return f"wsync-rpc/newest/{worker}"
 
 
 def _joined_key(worker: int) -> str:
@@ -345,16 +336,19 @@ class RpcSender(SenderBase):
         self.pending: dict[int, tuple[int, torch.Tensor, Buffer]] = {}  # worker -> the newest (seq, header, buffer) to send
         self.inflight: set[int] = set()  # workers whose last delivery RPC is still sending
         #: numbers publishes: a receiver keeps the newest whatever order RPC runs them in, and waits for
-        #: the number ``published`` names when it asks
+        #: the number the store names (``_newest_key``) when it asks
         self.seq = itertools.count(1)
-        self.published: dict[int, int] = {}  # worker -> the number of the newest delivery published to it
+        self.marks: dist.Store | None = None  # the core's thread's store client: the published numbers
         self.stopping = threading.Event()
         self.starter: threading.Thread | None = None
 
     def start(self, deadline: Deadline) -> None:
         self.stopping.clear()
-        self.published = {}
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
+        try:
+            self.marks = self.agent.store.clone()
+        except RuntimeError as exc:
+            raise TransportError(f"rpc: no second client of the sender's own store: {_brief(exc)}") from exc
         self.starter = threading.Thread(target=self._start_agent, name="wsync-rpc-start", daemon=True)
         self.starter.start()
 
@@ -378,11 +372,16 @@ class RpcSender(SenderBase):
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         head = _as_tensor(header)
         seq = next(self.seq)
+        if workers:
+            try:  # before it is sent: a receiver that asks is told this one or a newer
+                self.marks.multi_set([_newest_key(w) for w in workers], [str(seq)] * len(workers))
+            except RuntimeError as exc:
+                raise TransportError(f"rpc: cannot write the published version's number to the sender's own "
+                                     f"store: {_brief(exc)}") from exc
         for w in workers:
             self.hold(buffer, w)  # until RPC has sent it, or a newer one replaced it
             older = self.pending.get(w)
             self.pending[w] = (seq, head, buffer)
-            self.published[w] = seq  # what a receiver's probe (``_newest``) is told from now on
             if older is not None:
                 self.let_go(older[2], w)
             self._pump(w)
@@ -428,6 +427,7 @@ class RpcSender(SenderBase):
                 log.warning("rpc: the agent start thread did not stop")
             self.starter = None
         agent, self.agent = self.agent, None
+        self.marks = None
         with self.cond:
             self.pending.clear()
             self.inflight.clear()
@@ -438,9 +438,9 @@ class RpcSender(SenderBase):
 
 class RpcReceiver(ReceiverBase):
     """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox. A
-    ``receive()`` that finds one waiting first asks the sender for the newest number (``_newest``)
-    and waits for that delivery (at most ``probe_patience``: two RPC timeouts, the one in flight
-    and the newest)."""
+    ``receive()`` that finds one waiting first reads the newest number from the sender's store
+    (``_newest_key``) and waits for that delivery (at most ``probe_patience``: two RPC timeouts,
+    the one in flight and the newest)."""
 
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
         super().__init__(f"rpc {worker_name(ctx.worker_idx)}", ctx)
@@ -449,6 +449,7 @@ class RpcReceiver(ReceiverBase):
         self.timeout = options["rpc_timeout"]
         self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
+        self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
         #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
         #: can arrive after a newer one and must not replace it
         self.newest = -1
@@ -458,6 +459,11 @@ class RpcReceiver(ReceiverBase):
         self.newest = -1
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
         self.agent.start(deadline.remaining())
+        try:
+            self.asker = self.agent.store.clone()
+        except RuntimeError as exc:
+            raise TransportError(f"rpc: {worker_name(self.worker)} cannot open a second client of the sender's "
+                                 f"store: {_brief(exc)}") from exc
         self._tell(_JOIN, b"", wait=True)
 
     def arrived(self, seq: int, header: bytes, payload: torch.Tensor) -> None:
@@ -469,19 +475,20 @@ class RpcReceiver(ReceiverBase):
             self.put(Delivery(header, payload), seq)
 
     def newest_published(self, deadline: Deadline) -> int | None:
-        """The sender's number for the newest delivery published to this worker, asked with one RPC
-        bounded by the deadline and ``rpc_timeout``; None if there is no time left or the sender
-        does not answer in time (``recv`` then returns what arrived)."""
+        """The sender's number for the newest delivery published to this worker, read from its store
+        (one round trip, bounded by the deadline and ``rpc_timeout``); None if there is no time left
+        or the store does not answer in time (``recv`` then returns what arrived)."""
+        asker = self.asker
         wait = min(deadline.remaining(), self.timeout)
-        if wait < 0.001:  # RPC reads a timeout of 0 as "forever"
+        if asker is None or wait <= 0:
             return None
         try:
-            newest = rpc.rpc_async(SENDER, _newest, args=(self.worker,), timeout=wait).wait()
+            asker.set_timeout(timedelta(seconds=wait))
+            return asker.add(_newest_key(self.worker), 0)  # 0 if nothing was published to it yet
         except RuntimeError as exc:
-            log.debug("rpc: %s could not ask the sender for the newest version: %s", worker_name(self.worker),
+            log.debug("rpc: %s could not read the newest published version: %s", worker_name(self.worker),
                       _brief(exc))
             return None
-        return newest if isinstance(newest, int) and newest >= 0 else None
 
     def _tell(self, kind: int, data: bytes, wait: bool = False) -> torch.futures.Future:
         try:
@@ -498,6 +505,7 @@ class RpcReceiver(ReceiverBase):
 
     def stop(self) -> None:
         agent, self.agent = self.agent, None
+        self.asker = None
         if agent is None:
             return
         if agent.started:
