@@ -1,4 +1,4 @@
-"""The endpoint bases: lifecycle and closed guard, events, the buffer pool, the newest-only mailbox."""
+"""The endpoint bases: lifecycle and closed guard, events, the buffer pool, the newest-only mailbox and its probe."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wsync_core import (Acked, Buffer, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
                         SenderContext, TransportError, WorkerTimeoutError)
@@ -164,3 +166,73 @@ def test_wake_ends_a_wait_in_another_thread_and_every_later_one() -> None:
     assert time.monotonic() - t0 < 20
     r.close()
     s.close()
+
+
+class Probing(Receiver):
+    """A receiver whose sender published deliveries up to ``published``; ``newest_published``
+    answers that and lets ``in_flight`` (the numbers not yet put) arrive from another thread."""
+
+    def __init__(self, published: int | None, in_flight: list[int], patience: float = math.inf) -> None:
+        super().__init__()
+        self.published, self.in_flight = published, in_flight
+        self.probe_patience = patience
+        self.asked = 0
+        self.courier: threading.Thread | None = None
+
+    def newest_published(self, deadline: Deadline) -> int | None:
+        self.asked += 1
+        self.courier = threading.Thread(target=self._bring, daemon=True)
+        self.courier.start()
+        return self.published
+
+    def _bring(self) -> None:
+        for n in self.in_flight:
+            time.sleep(0.01)  # the recv is waiting by now, most likely: either way it must get the newest
+            self.put(_numbered(n), n)
+
+
+def _numbered(n: int) -> Delivery:
+    return Delivery(b"%d" % n, torch.zeros(0, dtype=torch.uint8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 4))
+def test_a_waiting_delivery_is_returned_only_once_the_newest_published_is_in(waiting: int, in_flight: int) -> None:
+    """A delivery waited when recv was called; the sender had published ``in_flight`` newer ones:
+    recv returns the newest of them, never the one that waited (nor one in between)."""
+    r = Probing(waiting + in_flight, list(range(waiting + 1, waiting + in_flight + 1)))
+    r.open(Deadline(1))
+    r.put(_numbered(waiting), waiting)
+    assert r.recv(Deadline(60)).header == b"%d" % (waiting + in_flight)
+    assert r.asked == 1
+    r.close()
+
+
+def test_no_probe_when_nothing_waited_or_no_time_is_left() -> None:
+    r = Probing(5, [5])
+    r.open(Deadline(1))
+    threading.Timer(0.05, r.put, (_numbered(4), 4)).start()
+    assert r.recv(Deadline(60)).header == b"4"  # it came during the call: taken at once, nobody asked
+    assert r.asked == 0
+    r.put(_numbered(4), 4)
+    assert r.recv(Deadline(0)).header == b"4"  # no time to ask: what arrived
+    assert r.asked == 0
+    r.close()
+
+
+def test_a_probe_that_cannot_tell_or_a_newest_that_never_comes_returns_what_arrived() -> None:
+    for r in (Probing(None, []), Probing(9, [], patience=0.1)):
+        r.open(Deadline(1))
+        r.put(_numbered(4), 4)
+        assert r.recv(Deadline(60)).header == b"4"
+        assert r.asked == 1
+        r.close()
+
+
+def test_close_or_wake_ends_the_wait_for_the_newest() -> None:
+    r = Probing(9, [])
+    r.open(Deadline(1))
+    r.put(_numbered(4), 4)
+    threading.Timer(0.1, r.wake).start()
+    assert r.recv(Deadline(math.inf)).header == b"4"  # woken: what arrived
+    r.close()

@@ -13,11 +13,19 @@ interface the core calls is unchanged). They carry:
   ``publish`` checks it is this pool's and gives it to the plugin's ``deliver``; ``hold``/``let_go``
   keep a buffer out of ``acquire`` while a worker may still read it;
 - for receivers: a mailbox that keeps only the newest delivery (``put`` drops an older one not
-  yet taken, releasing it), and ``fail`` to make ``recv`` raise once the mailbox is empty.
+  yet taken, releasing it), and ``fail`` to make ``recv`` raise once the mailbox is empty;
+- for receivers, no stale version after a pause: a plugin that numbers its deliveries (``put``'s
+  ``number``, increasing per receiver) and can ask its sender the number of the newest it
+  published to this worker (``newest_published``) gets a ``recv`` that, when a delivery waited
+  in the mailbox at entry (or ``arriving`` says one is partly in), first asks, then waits (until
+  the deadline, at most ``probe_patience``) for a delivery numbered at least that. A worker that
+  was away (frozen, busy) so never applies a version that a newer one published before its
+  ``receive()`` had replaced; one that finds the mailbox empty is never asked about (no cost).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -226,18 +234,44 @@ class SenderBase(EndpointBase, SenderEndpoint):
 
 class ReceiverBase(EndpointBase, ReceiverEndpoint):
     """A receiver endpoint with a newest-only mailbox and a closed guard; the plugin implements ``ack``
-    and feeds the mailbox from its own I/O (``put``, ``fail``)."""
+    and feeds the mailbox from its own I/O (``put``, ``fail``).
+
+    A plugin that numbers its deliveries and implements ``newest_published`` (and, if it can
+    tell, ``arriving``) makes ``recv`` check, when a delivery waited, that it is the newest the
+    sender had published (see the module's docstring); ``probe_patience`` bounds that wait.
+    """
+
+    #: seconds ``recv`` waits at most, after ``newest_published`` answered, for the delivery it
+    #: named (then it returns what arrived): the plugin's bound on one delivery's journey, so a
+    #: delivery its sender lost never holds up a ``recv`` that has no deadline
+    probe_patience: float = math.inf
 
     def __init__(self, what: str, ctx: ReceiverContext) -> None:
         super().__init__(what)
         self.ctx = ctx
         self._mail: Delivery | None = None
         self._failure: str | None = None
+        self._highest = -1  # the highest delivery number put since open (-1: none numbered)
 
-    def put(self, delivery: Delivery) -> None:
-        """Make ``delivery`` the next one ``recv`` returns; an older one not yet taken is released."""
+    # -- what the plugin may implement ----------------------------------------------------------
+    def newest_published(self, deadline: Deadline) -> int | None:
+        """The number of the newest delivery the sender has published to this worker (as ``put``
+        numbers them), asked of the sender by ``deadline``; None if it cannot tell (the default:
+        no probe). Called by ``recv`` without ``self.cond`` held; must not raise."""
+        return None
+
+    def arriving(self) -> bool:
+        """Whether a delivery is partly arrived (called with ``self.cond`` held; default False)."""
+        return False
+
+    # -- for the plugin's I/O -------------------------------------------------------------------
+    def put(self, delivery: Delivery, number: int = -1) -> None:
+        """Make ``delivery`` the next one ``recv`` returns; an older one not yet taken is released.
+        ``number`` (>= 0, increasing per receiver while it is open) is what ``newest_published``
+        names; -1: not numbered."""
         with self.cond:
             older, self._mail = self._mail, delivery
+            self._highest = max(self._highest, number)
             self.cond.notify_all()
         if older is not None and older.release is not None:
             older.release()
@@ -252,11 +286,30 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
         with self.cond:
             self._failure = None
 
+    # -- ReceiverEndpoint ------------------------------------------------------------------------
+    def open(self, deadline: Deadline) -> None:
+        with self.cond:
+            self._highest = -1
+        super().open(deadline)
+
     def recv(self, deadline: Deadline) -> Delivery | None:
-        """The newest delivery, waiting for one until the deadline; None if none came.
+        """The newest delivery, waiting for one until the deadline; None if none came. If one waited
+        in the mailbox (or was ``arriving``) and the deadline has time left, first the sender's
+        newest number (``newest_published``), then a wait, until the deadline or ``probe_patience``,
+        for a delivery numbered at least that: what it returns is then never older than what was
+        published before the call. With no time to wait, what has arrived.
 
         Raises TransportError if the endpoint is closed or failed (``fail``) with nothing left to deliver.
         """
+        with self.cond:
+            self.check_open()
+            waited = not deadline.expired() and (self._mail is not None or self.arriving())
+        if waited:
+            newest = self.newest_published(deadline)
+            if newest is not None:
+                with self.cond:
+                    patience = Deadline(min(deadline.remaining(), self.probe_patience))
+                    self.wait_until(lambda: self._highest >= newest or self._failure is not None, patience)
         with self.cond:
             self.check_open()
             self.wait_until(lambda: self._mail is not None or self._failure is not None, deadline)

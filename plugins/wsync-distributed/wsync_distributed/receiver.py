@@ -3,7 +3,11 @@ group of two ranks: the sender and this worker) into the worker's own receive bu
 model), so the sender never waits for ``receive()``; a buffer is handed to the core only once the
 sender's ``commit`` for it arrives (never for an aborted or half-received one). The mailbox keeps
 only the newest: a worker that stops calling ``receive()`` applies the newest version when it
-resumes, never the ones that arrived meanwhile.
+resumes, never the ones that arrived meanwhile. Nor one that arrived before a newer was
+published: a ``receive()`` that finds a version waiting (or one being received) first reads from
+the sender's store the number of the newest version published to this worker
+(``wire.published_key``, written at publish) and waits for that one (``ReceiverBase``'s probe, at
+most two ``collective_timeout``: the broadcast in flight and the newest).
 
 A heartbeat thread bumps this worker's counter in the store and reads whether the sender gave
 this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
@@ -65,6 +69,9 @@ class DistributedReceiver(ReceiverBase):
         self.pool: list[torch.Tensor] = []
         self.held: set[int] = set()  # slots the core holds, or that wait in the mailbox or for a commit
         self.filled: tuple[int, int, int] | None = None  # (seq, slot, nbytes): received in full, not yet committed
+        self.taking = False  # the receive thread is in a broadcast
+        self.probe_patience = 2 * cfg.timeout
+        self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
         self.stopped = threading.Event()
         self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
@@ -75,6 +82,7 @@ class DistributedReceiver(ReceiverBase):
     def start(self, deadline: Deadline) -> None:
         self.store = wire.connect(self.cfg, deadline)
         try:
+            self.asker = wire.clone(self.store)
             self.store.add(wire.heartbeat_key(self.worker), 1)
             for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
                 thread = threading.Thread(target=target, args=(wire.clone(self.store),),
@@ -94,6 +102,30 @@ class DistributedReceiver(ReceiverBase):
             raise TransportError(f"{self.what}: cannot reach the sender's store at "
                                  f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
 
+    def arriving(self) -> bool:
+        """Whether a version is being received, or waits for its commit (``self.cond`` held)."""
+        return self.taking or self.filled is not None
+
+    def newest_published(self, deadline: Deadline) -> int | None:
+        """The ``seq`` of the newest version the sender published to this worker, read from its store
+        (one round trip, bounded by the deadline and ``heartbeat_timeout``); None if there is no
+        time left, the sender shut down, or its store does not answer (``recv`` then returns what
+        arrived; the heartbeat thread notices a store out of reach). A connection that failed is
+        made anew at the next call (the sender's store may be back, or another sender's)."""
+        wait = min(deadline.remaining(), max(1.0, self.cfg.heartbeat_timeout))
+        if self.bye or self.stopped.is_set() or wait <= 0:
+            return None
+        asker = self.asker
+        try:
+            if asker is None:
+                asker = self.asker = wire.connect(self.cfg, Deadline(wait))
+            asker.set_timeout(timedelta(seconds=wait))
+            return asker.add(wire.published_key(self.worker), 0)  # 0 if nothing was published to it yet
+        except (RuntimeError, TransportError) as exc:
+            self.asker = None
+            log.debug("%s: cannot read the newest published version: %s", self.what, wire.brief(exc))
+            return None
+
     def stop(self) -> None:
         self.stopped.set()
         store = self.store
@@ -110,7 +142,7 @@ class DistributedReceiver(ReceiverBase):
                 log.warning("%s: thread %s did not stop", self.what, thread.name)
         self.threads.clear()
         self.link = None
-        self.store = None
+        self.store = self.asker = None
 
     # -- buffers ---------------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -147,14 +179,14 @@ class DistributedReceiver(ReceiverBase):
                     return None
                 self.cond.wait(deadline.slice(1.0))
 
-    def _deliver(self, store: dist.Store, inbox: str, slot: int, header: bytes, nbytes: int) -> None:
-        """Hand the first ``nbytes`` of the buffer in ``slot`` (what the sender published) to the
-        core, if the sender still serves this worker under ``inbox``; else free it (the worker
-        joins again and gets the newest version then)."""
+    def _deliver(self, store: dist.Store, inbox: str, slot: int, header: bytes, nbytes: int, seq: int) -> None:
+        """Hand the first ``nbytes`` of the buffer in ``slot`` (what the sender published as ``seq``)
+        to the core, if the sender still serves this worker under ``inbox``; else free it (the
+        worker joins again and gets the newest version then)."""
         if self._served(store, inbox):
             buffer = self.pool[slot]
             payload = buffer if nbytes == buffer.numel() else buffer[:nbytes]
-            self.put(Delivery(header, payload, lambda: self._release(slot), adoptable=True))
+            self.put(Delivery(header, payload, lambda: self._release(slot), adoptable=True), seq)
         else:
             self._release(slot)
 
@@ -250,7 +282,7 @@ class DistributedReceiver(ReceiverBase):
                 with self.cond:
                     filled, self.filled = self.filled, None
                 if filled is not None and filled[0] == ctl.seq:
-                    self._deliver(store, self.inbox, filled[1], header, filled[2])
+                    self._deliver(store, self.inbox, filled[1], header, filled[2], ctl.seq)
                 elif filled is not None:
                     self._release(filled[1])
             elif ctl.kind == "abort":
@@ -259,7 +291,7 @@ class DistributedReceiver(ReceiverBase):
                         self._drop_filled()
             elif ctl.group is None or not 0 <= ctl.nbytes <= self.nbytes:  # fewer: a prefix (a delta)
                 self._drop_filled()
-                self.put(Delivery(header, torch.empty(0, dtype=torch.uint8)))  # the core reports the mismatch
+                self.put(Delivery(header, torch.empty(0, dtype=torch.uint8)), ctl.seq)  # the core reports the mismatch
             else:
                 self._take_part(store, ctl, header)
 
@@ -308,6 +340,16 @@ class DistributedReceiver(ReceiverBase):
         """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if
         ``header`` came with it, else it waits there for its commit. If the link fails, join again."""
         self._drop_filled()  # the sender moved on: what it left uncommitted is dead
+        with self.cond:
+            self.taking = True
+        try:
+            self._take_into(store, ctl, header)
+        finally:
+            with self.cond:
+                self.taking = False
+
+    def _take_into(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
+        """``_take_part`` while ``taking`` is set."""
         slot = self._slot()
         if slot is None:  # the collective must still complete: receive into scratch, deliver nothing
             log.warning("%s: all %d receive buffers are held; dropping the version numbered %d", self.what,
@@ -339,7 +381,7 @@ class DistributedReceiver(ReceiverBase):
         if slot is None:
             return
         if header:
-            self._deliver(store, inbox, slot, header, ctl.nbytes)
+            self._deliver(store, inbox, slot, header, ctl.nbytes, ctl.seq)
         else:
             with self.cond:
                 self.filled = (ctl.seq, slot, ctl.nbytes)

@@ -18,6 +18,10 @@ snapshot (bucket k travels while bucket k+1 is copied), and the commit follows `
 stream the core abandons (it calls ``acquire``, ``poll`` or ``close`` without publishing it) is
 sent to the end, so the worker's collective completes, then ``abort(seq)`` drops it.
 
+At each publish, before any lane may send it, the sender writes the ``seq`` it published to each
+worker to the store (``wire.published_key``, one ``multi_set``, which does not wait for a reply):
+a receiver that finds a version waiting at ``receive()`` reads it there and waits for that one.
+
 Threads, each with its own store client: an event reader (joins, acks, leaves), a watcher (the
 heartbeats) and one lane per connected worker.
 """
@@ -134,6 +138,7 @@ class DistributedSender(SenderBase):
         self.stream: _Stream | None = None  # ready() called, the core not done with it yet
         self.closing = False
         self.store: dist.Store | None = None
+        self.marks: dist.Store | None = None  # the core's thread's store client: the published numbers
         self.sock: socket.socket | None = None
         self.threads: list[threading.Thread] = []
 
@@ -141,6 +146,7 @@ class DistributedSender(SenderBase):
     def start(self, deadline: Deadline) -> None:
         self.store, self.sock = wire.listen(self.cfg)
         _live.add(self)
+        self.marks = wire.clone(self.store, timedelta(seconds=self.cfg.timeout))
         for target, name in ((self._read_events, "events"), (self._watch, "watch")):
             thread = threading.Thread(target=target, args=(wire.clone(self.store),),
                                       name=f"wsync-distributed-{name}", daemon=True)
@@ -193,14 +199,20 @@ class DistributedSender(SenderBase):
             raise TransportError(f"distributed: a header of {len(header)} bytes exceeds this transport's limit of "
                                  f"{wire.MAX_HEADER} bytes (the store carries it)")
         stream = self.stream if self.stream is not None and self.stream.buffer is buffer else None
-        for w in workers:
-            lane = self.lanes.get(w)
-            if lane is None:  # not connected (any more): it was reported Left, or never joined
-                continue
+        seq = self.seqs[buffer.index]
+        served = [w for w in workers if w in self.lanes]  # others are not connected (any more): Left, or never joined
+        if served:
+            try:  # before any lane may send it: a receiver that asks is told this one or a newer
+                self.marks.multi_set([wire.published_key(w) for w in served], [str(seq)] * len(served))
+            except RuntimeError as exc:
+                raise TransportError(f"distributed: cannot write the published version's number to this "
+                                     f"sender's own store: {wire.brief(exc)}") from exc
+        for w in served:
+            lane = self.lanes[w]
             if stream is not None and self._streams_to(lane, stream):
                 stream.headers[w] = header
             else:
-                self._queue(lane, _Job(buffer, self.seqs[buffer.index], header=header, nbytes=buffer.used))
+                self._queue(lane, _Job(buffer, seq, header=header, nbytes=buffer.used))
         self.acquired = None
         self.cond.notify_all()
 
@@ -237,7 +249,7 @@ class DistributedSender(SenderBase):
             if lane.thread is not None:
                 lane.thread.join(timeout=_LANE_JOIN_S)
         self.threads.clear()
-        self.store = None
+        self.store = self.marks = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -22,6 +22,10 @@ Each receiver bumps its heartbeat counter in the store; the sender also sets an 
 an inbox it gave up, which the receiver's heartbeat thread reads (its receive thread may be stuck
 in a broadcast on a link that was cut).
 
+At each publish the sender writes, per worker, the ``seq`` of the newest version published to it
+(``published_key``); a receiver whose ``receive()`` finds a version waiting reads it (the store
+answers at once, even while the trainer's Python is busy) and waits for that version first.
+
 Both directions are length-checked bytes and JSON; nothing is unpickled. Payload bytes travel
 only through broadcasts.
 """
@@ -47,7 +51,7 @@ from .config import Config
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
-    "inbox_key", "heartbeat_key", "evict_key", "encode_event", "decode_event", "encode_control", "decode_control",
+    "inbox_key", "heartbeat_key", "evict_key", "published_key", "encode_event", "decode_event", "encode_control", "decode_control",
     "POP_TIMEOUT", "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
     "spans",
 ]
@@ -70,6 +74,11 @@ def brief(exc: BaseException) -> str:
 
 def inbox_key(inbox: str) -> str:
     return f"inbox/{inbox}"
+
+
+def published_key(worker: int) -> str:
+    """The ``seq`` (decimal) of the newest version the sender published to ``worker``."""
+    return f"pub/{worker}"
 
 
 def heartbeat_key(worker: int) -> str:

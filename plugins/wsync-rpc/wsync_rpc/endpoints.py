@@ -3,6 +3,13 @@
 Every message is a TorchScript function whose body is a ``wsync_rpc::`` operator implemented
 here in Python: RPC carries its arguments (ints and tensors) with TorchScript's own tensor
 serializer, so wsync's traffic never goes through Python's pickle.
+
+Deliveries are numbered when published (``seq``, one number per publish), and the sender writes
+each worker's newest number to its TCP store at publish (``_newest_key``; one ``multi_set``, no
+reply awaited). A receiver whose ``receive()`` finds a delivery waiting reads that key (the
+store's C++ server answers even while the trainer's Python is busy) and waits for that delivery
+(``ReceiverBase``'s probe): a worker that was away never applies a version that a newer one
+published before its ``receive()`` replaced.
 """
 
 from __future__ import annotations
@@ -187,6 +194,11 @@ def _agent_store(host: str, port: int, wait: timedelta) -> dist.TCPStore:
 _WORLD_KEY = "wsync-rpc/world"
 
 
+def _newest_key(worker: int) -> str:
+    """The sender's store key holding the number (decimal) of the newest delivery published to ``worker``."""
+    return f"wsync-rpc/newest/{worker}"
+
+
 def _joined_key(worker: int) -> str:
     return f"wsync-rpc/joined/{worker}"
 
@@ -321,15 +333,22 @@ class RpcSender(SenderBase):
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
         self.ready = False  # the RPC agent runs
-        self.pending: dict[int, tuple[torch.Tensor, Buffer]] = {}  # worker -> the newest (header, buffer) to send
+        self.pending: dict[int, tuple[int, torch.Tensor, Buffer]] = {}  # worker -> the newest (seq, header, buffer) to send
         self.inflight: set[int] = set()  # workers whose last delivery RPC is still sending
-        self.seq = itertools.count(1)  # numbers deliveries: a receiver keeps the newest whatever order RPC runs them in
+        #: numbers publishes: a receiver keeps the newest whatever order RPC runs them in, and waits for
+        #: the number the store names (``_newest_key``) when it asks
+        self.seq = itertools.count(1)
+        self.marks: dist.Store | None = None  # the core's thread's store client: the published numbers
         self.stopping = threading.Event()
         self.starter: threading.Thread | None = None
 
     def start(self, deadline: Deadline) -> None:
         self.stopping.clear()
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
+        try:
+            self.marks = self.agent.store.clone()
+        except RuntimeError as exc:
+            raise TransportError(f"rpc: no second client of the sender's own store: {_brief(exc)}") from exc
         self.starter = threading.Thread(target=self._start_agent, name="wsync-rpc-start", daemon=True)
         self.starter.start()
 
@@ -352,25 +371,32 @@ class RpcSender(SenderBase):
 
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         head = _as_tensor(header)
+        seq = next(self.seq)
+        if workers:
+            try:  # before it is sent: a receiver that asks is told this one or a newer
+                self.marks.multi_set([_newest_key(w) for w in workers], [str(seq)] * len(workers))
+            except RuntimeError as exc:
+                raise TransportError(f"rpc: cannot write the published version's number to the sender's own "
+                                     f"store: {_brief(exc)}") from exc
         for w in workers:
             self.hold(buffer, w)  # until RPC has sent it, or a newer one replaced it
             older = self.pending.get(w)
-            self.pending[w] = (head, buffer)
+            self.pending[w] = (seq, head, buffer)
             if older is not None:
-                self.let_go(older[1], w)
+                self.let_go(older[2], w)
             self._pump(w)
 
     def _pump(self, worker: int) -> None:
         """Send ``worker`` its pending delivery unless one is in flight (with ``self.cond`` held)."""
         if not self.ready or worker in self.inflight or worker not in self.pending:
             return
-        head, buffer = self.pending.pop(worker)
+        seq, head, buffer = self.pending.pop(worker)
         self.inflight.add(worker)
         try:
             payload = buffer.payload  # a prefix for the core's deltas: copied, RPC would send its whole storage
             if payload.numel() < buffer.tensor.numel():
                 payload = payload.clone()
-            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(next(self.seq), head, payload),
+            fut = rpc.rpc_async(worker_name(worker), _deliver, args=(seq, head, payload),
                                 timeout=self.timeout)
         except RuntimeError as exc:
             self.inflight.discard(worker)
@@ -401,6 +427,7 @@ class RpcSender(SenderBase):
                 log.warning("rpc: the agent start thread did not stop")
             self.starter = None
         agent, self.agent = self.agent, None
+        self.marks = None
         with self.cond:
             self.pending.clear()
             self.inflight.clear()
@@ -410,14 +437,19 @@ class RpcSender(SenderBase):
 
 
 class RpcReceiver(ReceiverBase):
-    """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox."""
+    """Joins the sender's RPC group; deliveries arrive on RPC's threads and wait in the mailbox. A
+    ``receive()`` that finds one waiting first reads the newest number from the sender's store
+    (``_newest_key``) and waits for that delivery (at most ``probe_patience``: two RPC timeouts,
+    the one in flight and the newest)."""
 
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
         super().__init__(f"rpc {worker_name(ctx.worker_idx)}", ctx)
         self.options = options
         self.worker = ctx.worker_idx
         self.timeout = options["rpc_timeout"]
+        self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
+        self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
         #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
         #: can arrive after a newer one and must not replace it
         self.newest = -1
@@ -427,6 +459,11 @@ class RpcReceiver(ReceiverBase):
         self.newest = -1
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
         self.agent.start(deadline.remaining())
+        try:
+            self.asker = self.agent.store.clone()
+        except RuntimeError as exc:
+            raise TransportError(f"rpc: {worker_name(self.worker)} cannot open a second client of the sender's "
+                                 f"store: {_brief(exc)}") from exc
         self._tell(_JOIN, b"", wait=True)
 
     def arrived(self, seq: int, header: bytes, payload: torch.Tensor) -> None:
@@ -435,7 +472,23 @@ class RpcReceiver(ReceiverBase):
             if seq <= self.newest or not self.is_open:
                 return
             self.newest = seq
-            self.put(Delivery(header, payload))
+            self.put(Delivery(header, payload), seq)
+
+    def newest_published(self, deadline: Deadline) -> int | None:
+        """The sender's number for the newest delivery published to this worker, read from its store
+        (one round trip, bounded by the deadline and ``rpc_timeout``); None if there is no time left
+        or the store does not answer in time (``recv`` then returns what arrived)."""
+        asker = self.asker
+        wait = min(deadline.remaining(), self.timeout)
+        if asker is None or wait <= 0:
+            return None
+        try:
+            asker.set_timeout(timedelta(seconds=wait))
+            return asker.add(_newest_key(self.worker), 0)  # 0 if nothing was published to it yet
+        except RuntimeError as exc:
+            log.debug("rpc: %s could not read the newest published version: %s", worker_name(self.worker),
+                      _brief(exc))
+            return None
 
     def _tell(self, kind: int, data: bytes, wait: bool = False) -> torch.futures.Future:
         try:
@@ -452,6 +505,7 @@ class RpcReceiver(ReceiverBase):
 
     def stop(self) -> None:
         agent, self.agent = self.agent, None
+        self.asker = None
         if agent is None:
             return
         if agent.started:
