@@ -19,14 +19,15 @@ from wsync_core.protocol import Header
 from wsync_core.transport import ReceiverContext
 from wsync_core.weights import flatten
 from wsync_zmq import ZmqTransport
-from wsync_zmq.wire import DATA, DELIVERY_HEAD, HELLO, Hello, decode_delivery, decode_peer, encode_delivery, payload_tensor
+from wsync_zmq.wire import (ACK, BYE, DATA, DELIVERY_HEAD, HELLO, PROBE, WANT, Hello, decode_delivery, decode_peer,
+                            encode_delivery, payload_tensor)
 from zmq_helpers import make_model
 
 LAYOUT = Layout.of(flatten(make_model(0)))
 NBYTES = LAYOUT.nbytes
 MAX_HEADER = 4096
 
-kinds = st.sampled_from([DATA, HELLO, b"A", b"B", b"", b"DD", b"\x00", b"\xff"])
+kinds = st.sampled_from([DATA, HELLO, ACK, BYE, WANT, PROBE, b"", b"DD", b"\x00", b"\xff"])
 blobs = st.one_of(st.binary(max_size=64), st.binary(min_size=NBYTES - 2, max_size=NBYTES + 2),
                   st.builds(lambda h: json.dumps(h).encode(), st.recursive(
                       st.none() | st.booleans() | st.integers() | st.text(max_size=8),
@@ -72,8 +73,8 @@ def test_peer_decoder_accepts_only_wellformed_messages(case):
         msg = decode_peer(frames, extra)
     except TransportError:
         return
-    assert extra == 0 and len(frames) == 1 and msg.kind == frames[0][:1] and msg.kind in (HELLO, b"A", b"B")
-    assert msg.kind != b"B" or frames[0] == b"B"
+    assert extra == 0 and len(frames) == 1 and msg.kind == frames[0][:1] and msg.kind in (HELLO, ACK, BYE, WANT, PROBE)
+    assert msg.kind not in (BYE, WANT) or frames[0] == msg.kind  # no body
     if msg.kind == HELLO:
         assert msg.hello.worker >= 0 and msg.hello.nbytes >= 0
 
