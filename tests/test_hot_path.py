@@ -5,8 +5,6 @@ remembered across versions)."""
 from __future__ import annotations
 
 import json
-import pickle
-import threading
 
 import pytest
 import torch
@@ -14,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from core_helpers import bump, make_policy, same
-from wsync_core import SchemaMismatchError, TransportError, WeightSyncScheme
+from core_helpers import bump, connected_pair, make_policy, same
+from wsync_core import SchemaMismatchError, TransportError
 from wsync_core.layout import Layout
 from wsync_core.protocol import CHECKSUM_CHUNK, PROTOCOL, Ack, Header
 
@@ -123,18 +121,6 @@ def _raises(layout: Layout, tensors: dict[str, torch.Tensor]) -> bool:
     return False
 
 
-def _pair() -> tuple[WeightSyncScheme, nn.Module, WeightSyncScheme, nn.Module]:
-    model = make_policy(0)
-    sender = WeightSyncScheme("inproc", timeout=30.0, sync=False)
-    sender.init_on_sender(model=model, num_workers=1)
-    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
-    local = make_policy(1)
-    receiver.init_on_receiver(model=local, worker_idx=0)
-    t = threading.Thread(target=receiver.connect)
-    t.start()
-    sender.connect()
-    t.join()
-    return sender, model, receiver, local
 
 
 def _first_weight(m: nn.Module) -> tuple[nn.Module, str]:
@@ -145,7 +131,7 @@ def _first_weight(m: nn.Module) -> tuple[nn.Module, str]:
 
 
 def test_every_change_a_worker_makes_between_receives_is_seen() -> None:
-    sender, model, receiver, local = _pair()
+    sender, model, receiver, local = connected_pair(sync=False)
     try:
         mod, name = _first_weight(local)
         steps = [

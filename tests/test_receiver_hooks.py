@@ -18,27 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from core_helpers import bump, make_policy, same
+from core_helpers import bump, connected_pair, make_policy, same
 from wsync_core import WeightSyncScheme, WorkerDiedError, WorkerTimeoutError
 
 
-def _pair(transport: str = "inproc", **kw):
-    """A connected sender and one receiver (in a thread of this process) on ``transport``."""
-    model = make_policy(0)
-    sender = WeightSyncScheme(transport, timeout=30.0, **kw)
-    sender.init_on_sender(model=model, num_workers=1)
-    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
-    local = make_policy(1)
-    receiver.init_on_receiver(model=local, worker_idx=0)
-    t = threading.Thread(target=receiver.connect)
-    t.start()
-    sender.connect()
-    t.join()
-    return sender, model, receiver, local
 
 
 def test_wait_for_version_applies_until_it_holds_the_version():
-    sender, model, receiver, local = _pair(sync=False)
+    sender, model, receiver, local = connected_pair(sync=False)
     try:
         for _ in range(3):
             bump(model)
@@ -89,7 +76,7 @@ def test_apply_listener_runs_before_the_ack_in_version_order():
 def test_apply_guard_holds_every_change_to_the_model():
     """While the worker holds its safe-point lock, nothing is written into its model; the
     version lands as soon as the lock is free."""
-    sender, model, receiver, local = _pair(sync=False)
+    sender, model, receiver, local = connected_pair(sync=False)
     lock = threading.Lock()
     receiver.set_apply_guard(lambda: lock)
     try:
@@ -110,7 +97,7 @@ def test_apply_guard_holds_every_change_to_the_model():
 
 
 def test_rebind_moves_later_versions_to_the_new_model():
-    sender, model, receiver, local = _pair()
+    sender, model, receiver, local = connected_pair()
     stop = threading.Event()
     t = threading.Thread(target=lambda: [receiver.receive(timeout=0.01) for _ in iter(stop.is_set, True)])
     try:
