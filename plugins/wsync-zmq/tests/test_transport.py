@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -94,26 +96,33 @@ def test_processes_sync_late_join_restart_and_a_dead_worker(sender, spawn):
     assert w0.errors() == [] and w1.errors() == []
 
 
-def test_independent_receiver_builds_its_own_scheme(sender):
-    model = make_model(0)
-    scheme = sender(1, model, timeout=30.0)
-    address = scheme.transport.options["address"]
-    local = make_model(7)
-    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)  # not unpickled: same options only
+@contextlib.contextmanager
+def _independent_receiver(scheme: WeightSyncScheme, local) -> Iterator[WeightSyncScheme]:
+    """Worker 0 built from ``scheme``'s address alone (not unpickled), connected with ``scheme``
+    in a thread of this process; shut down on the way out."""
+    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
     receiver.init_on_receiver(model=local, worker_idx=0)
     thread = threading.Thread(target=receiver.connect)
     thread.start()
     try:
         scheme.connect()
         thread.join(30)
+        yield receiver
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+
+
+def test_independent_receiver_builds_its_own_scheme(sender):
+    model = make_model(0)
+    scheme = sender(1, model, timeout=30.0)
+    local = make_model(7)
+    with _independent_receiver(scheme, local) as receiver:
         assert digest(local) == digest(model)
         bump(model)
         handle = scheme.send_async()
         assert receiver.receive(timeout=30.0) == 1
         assert handle.wait() == 1 and digest(local) == digest(model)
-    finally:
-        thread.join(30)
-        receiver.shutdown()
 
 
 @pytest.mark.parametrize("kib", [4, 256])
@@ -124,13 +133,7 @@ def test_a_large_payload_is_adopted_a_small_one_copied_and_a_worker_write_stays_
     model = {"w": torch.arange(kib * 256, dtype=torch.float32)}
     scheme = sender(1, model, timeout=30.0)
     local = {"w": torch.zeros(kib * 256)}
-    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
-    receiver.init_on_receiver(model=local, worker_idx=0)
-    thread = threading.Thread(target=receiver.connect)
-    thread.start()
-    try:
-        scheme.connect()
-        thread.join(30)
+    with _independent_receiver(scheme, local) as receiver:
         addresses = [local["w"].data_ptr()]
         for v in (1, 2):
             model["w"].add_(1.0)
@@ -141,9 +144,6 @@ def test_a_large_payload_is_adopted_a_small_one_copied_and_a_worker_write_stays_
             local["w"].mul_(-1.0)  # the worker's own write: the next version overwrites it
         moved = [a != b for a, b in zip(addresses, addresses[1:])]  # (a freed frame's address may come back)
         assert moved == ([True, True] if kib > 64 else [False, False])
-    finally:
-        thread.join(30)
-        receiver.shutdown()
 
 
 def test_schema_mismatch_is_reported_without_sending_the_payload(sender):
