@@ -153,6 +153,28 @@ def test_mailbox_keeps_the_newest_and_releases_the_older() -> None:
     r.close()
 
 
+def test_a_numbered_delivery_that_arrives_late_never_replaces_a_newer_one() -> None:
+    """Numbered deliveries may arrive out of order (a pool of I/O threads): an older one put after a
+    newer one is released at once and the mailbox keeps the newer; unnumbered ones always replace."""
+    r = Receiver()
+    r.open(Deadline(1))
+    released = []
+
+    def put(n: int, number: int) -> None:
+        r.put(Delivery(b"%d" % n, torch.zeros(0, dtype=torch.uint8), release=lambda: released.append(n)), number)
+
+    put(5, 5)
+    put(3, 3)  # late
+    assert released == [3]
+    assert r.recv(Deadline(0)).header == b"5"
+    put(4, 4)  # late, with the mailbox empty: still dropped
+    assert released == [3, 4] and r.recv(Deadline(0.01)) is None
+    put(6, 6)
+    put(7, -1)  # not numbered: replaces
+    assert released == [3, 4, 6] and r.recv(Deadline(0)).header == b"7"
+    r.close()
+
+
 def test_wake_ends_a_wait_in_another_thread_and_every_later_one() -> None:
     r, s = Receiver(), Sender()
     r.open(Deadline(1))

@@ -268,11 +268,15 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
     def put(self, delivery: Delivery, number: int = -1) -> None:
         """Make ``delivery`` the next one ``recv`` returns; an older one not yet taken is released.
         ``number`` (>= 0, increasing per receiver while it is open) is what ``newest_published``
-        names; -1: not numbered."""
+        names; -1: not numbered. A numbered delivery below the highest put so far (it arrived late,
+        e.g. from a pool of I/O threads) never replaces a newer one: it is released at once."""
         with self.cond:
-            older, self._mail = self._mail, delivery
-            self._highest = max(self._highest, number)
-            self.cond.notify_all()
+            if 0 <= number < self._highest:
+                older = delivery
+            else:
+                older, self._mail = self._mail, delivery
+                self._highest = max(self._highest, number)
+                self.cond.notify_all()
         if older is not None and older.release is not None:
             older.release()
 

@@ -450,13 +450,9 @@ class RpcReceiver(ReceiverBase):
         self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
         self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
-        #: the highest delivery number seen: RPC runs calls on a thread pool, so an older delivery
-        #: can arrive after a newer one and must not replace it
-        self.newest = -1
         self.last_ack: torch.futures.Future | None = None
 
     def start(self, deadline: Deadline) -> None:
-        self.newest = -1
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
         self.agent.start(deadline.remaining())
         try:
@@ -467,12 +463,11 @@ class RpcReceiver(ReceiverBase):
         self._tell(_JOIN, b"", wait=True)
 
     def arrived(self, seq: int, header: bytes, payload: torch.Tensor) -> None:
-        """A delivery from RPC's thread: into the mailbox unless a newer one came first."""
+        """A delivery from RPC's thread: into the mailbox unless a newer one came first (RPC runs
+        calls on a thread pool, so an older delivery can arrive after a newer one: ``put`` drops it)."""
         with self.cond:
-            if seq <= self.newest or not self.is_open:
-                return
-            self.newest = seq
-            self.put(Delivery(header, payload), seq)
+            if self.is_open:
+                self.put(Delivery(header, payload), seq)
 
     def newest_published(self, deadline: Deadline) -> int | None:
         """The sender's number for the newest delivery published to this worker, read from its store
