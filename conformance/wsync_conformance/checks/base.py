@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -22,7 +23,8 @@ __all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorou
 #: slack on top of a timeout before a call counts as not honouring it (the machine may be busy)
 SLACK_S = 20.0
 #: a test's budget: the timeouts it waits out (``budget(...)``) plus this much for its work
-BUDGET_SLACK_S = 30.0
+#: (``WSYNC_CONFORMANCE_WORK`` seconds: a run that expects hangs can find them sooner)
+BUDGET_SLACK_S = float(os.environ.get("WSYNC_CONFORMANCE_WORK", "30"))
 #: how much longer tests may take with ``--thorough`` (more examples, longer state machines)
 THOROUGH_FACTOR = 10.0
 
