@@ -107,11 +107,17 @@ class LiveChecks:
         names it in WorkerTimeoutError; afterwards it is still connected, gets exactly the newest
         version when it receives, and the next send to everyone completes."""
         s = wsync.session(many_spec("state_dict", 4.0), n=3)
+        s.fill(random_values(s.spec, 2000))
+        t0 = time.monotonic()
+        s.check(s.send())
+        # the others must ack within it: five times what the first send to all three took (which
+        # counts every first-time cost), between 2 and 10 short timeouts
+        wait = min(max(wsync.short_timeout * 2, (time.monotonic() - t0) * 5), wsync.short_timeout * 10)
         for step in range(1, 4):
             s.fill(random_values(s.spec, 2000 + step))
             s.expected[s.scheme.version + 1] = digests(s.model)
-            with s.following([0, 2]):  # 4 MiB to three workers: a few seconds on a busy machine
-                exc, _ = send_expect_timeout(s, [1], timeout=wsync.short_timeout * 5)
+            with s.following([0, 2]):
+                exc, _ = send_expect_timeout(s, [1], timeout=wait)
             if exc.workers != [1]:
                 raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected the silent worker [1]")
             s.check(s.scheme.version, [0, 2], guarantee="live")
