@@ -3,7 +3,8 @@
     python tcp_worker.py '{"worker": 0, "options": {...}, "timeout": 30}'
 
 Prints one JSON line per applied version, ``{"v": version, "digest": ...}``, and
-``{"error": "TransportError: ..."}`` if connecting or receiving fails.
+``{"error": "TransportError: ..."}`` if connecting or receiving fails; with ``"announce": true``,
+``{"ready": true}`` first, just before it connects.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(config: dict) -> int:
     scheme = WeightSyncScheme("tcp", timeout=config["timeout"], **config["options"])
     try:
         scheme.init_on_receiver(model=model, worker_idx=config["worker"])
+        if config.get("announce"):  # the test waits for this before it gives the sender a short timeout
+            say(ready=True)
         scheme.connect()
         if config.get("fork"):  # a child that outlives this process must not keep its connection open
             child = os.fork()

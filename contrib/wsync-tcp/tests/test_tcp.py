@@ -82,10 +82,11 @@ def test_options_are_checked_and_the_secret_hidden() -> None:
 def test_auth_good_key_updates_wrong_key_and_no_key_refused(sender, spawn) -> None:
     scheme, model = sender(2, authkey="good key")
     options = scheme.transport.options
-    good = spawn(0, options)
-    wrong = spawn(1, {**options, "authkey": "wrong key"})
+    good = spawn(0, options, announce=True)
+    wrong = spawn(1, {**options, "authkey": "wrong key"}, announce=True)
+    assert good.next() == wrong.next() == {"ready": True}  # both started: connecting takes them little
     with pytest.raises(WorkerTimeoutError) as info:
-        scheme.connect(timeout=30.0)  # usable for the workers that answered
+        scheme.connect(timeout=5.0)  # usable for the workers that answered
     assert info.value.workers == [1]
     good.wait_version(0)
     error = wrong.next()
