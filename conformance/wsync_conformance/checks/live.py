@@ -111,8 +111,8 @@ class LiveChecks:
         t0 = time.monotonic()
         s.check(s.send())
         # the others must ack within it: five times what the first send to all three took (which
-        # counts every first-time cost), between 2 and 10 short timeouts
-        wait = min(max(wsync.short_timeout * 2, (time.monotonic() - t0) * 5), wsync.short_timeout * 10)
+        # counts every first-time cost), between 2 and 5 short timeouts
+        wait = min(max(wsync.short_timeout * 2, (time.monotonic() - t0) * 5), wsync.short_timeout * 5)
         for step in range(1, 4):
             s.fill(random_values(s.spec, 2000 + step))
             s.expected[s.scheme.version + 1] = digests(s.model)
