@@ -5,6 +5,8 @@ remembered across versions)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +163,25 @@ def test_every_change_a_worker_makes_between_receives_is_seen() -> None:
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+def test_a_worker_that_never_uses_tensordict_never_imports_it() -> None:
+    """Importing tensordict costs a process about as much as torch (it imports torch._dynamo):
+    a worker that syncs a module pays for it only if it made a TensorDict itself, and a TensorDict
+    model still works once it did."""
+    code = (
+        "import sys\n"
+        "import torch\n"
+        "from wsync_core import WeightSyncScheme\n"
+        "from wsync_core.weights import flatten\n"
+        "policy = torch.nn.Linear(3, 2)\n"
+        "sender = WeightSyncScheme('inproc')\n"
+        "sender.init_on_sender(model=policy, num_workers=1)\n"
+        "assert sorted(flatten(policy)) == ['bias', 'weight']\n"
+        "assert 'tensordict' not in sys.modules, 'imported tensordict'\n"
+        "from tensordict import TensorDict\n"
+        "td = TensorDict.from_module(policy)\n"
+        "assert sorted(flatten(td)) == ['bias', 'weight'] and flatten(td)['weight'].data_ptr() == policy.weight.data_ptr()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]

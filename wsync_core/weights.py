@@ -11,22 +11,32 @@ A TensorDict or a state_dict given directly is taken as it is, whatever the stra
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
-from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["Strategy", "Weights", "STRATEGIES", "flatten", "check_strategy", "meta_keys", "materialize",
+if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a worker seconds (torch._dynamo)
+    from tensordict import TensorDictBase
+
+__all__ = ["Strategy", "Weights", "STRATEGIES", "is_tensordict", "flatten", "check_strategy", "meta_keys",
+           "materialize",
            "restore_extra_state", "EXTRA_STATE", "device_of"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
 EXTRA_STATE = "_extra_state"
 
 Strategy = Literal["tensordict", "state_dict"]
-Weights = Union[nn.Module, TensorDictBase, Mapping[str, torch.Tensor]]
+Weights = Union[nn.Module, "TensorDictBase", Mapping[str, torch.Tensor]]
 STRATEGIES: tuple[str, ...] = ("tensordict", "state_dict")
+
+
+def is_tensordict(obj: Any) -> bool:
+    """Whether ``obj`` is a TensorDict, without importing tensordict (whoever made one did)."""
+    base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
+    return base is not None and isinstance(obj, base)
 
 
 def check_strategy(strategy: str) -> Strategy:
@@ -57,7 +67,7 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
             for key, value in _extra_state_tensors(module, prefix).items():
                 out[key] = value
         return out
-    if isinstance(weights, TensorDictBase):
+    if is_tensordict(weights):
         out = {}
         for key, value in weights.items(include_nested=True, leaves_only=True):
             name = key if isinstance(key, str) else ".".join(key)
@@ -70,7 +80,7 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
         for key, value in weights.items():
             if not isinstance(key, str):
                 raise TypeError(f"state_dict keys must be strings, got {key!r}")
-            if isinstance(value, Mapping) or isinstance(value, TensorDictBase):
+            if isinstance(value, Mapping) or is_tensordict(value):
                 for sub, tensor in flatten(value, strategy, detach=detach).items():
                     out[f"{key}.{sub}"] = tensor
                 continue
@@ -125,7 +135,7 @@ def _extra_state_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tens
         return {}
     if isinstance(state, torch.Tensor):
         return {base: state.detach()}
-    if isinstance(state, TensorDictBase):
+    if is_tensordict(state):
         state = state.flatten_keys(".").to_dict()
     if not isinstance(state, Mapping):
         raise TypeError(f"{base}: extra state of {type(module).__name__} is a {type(state).__name__}; wsync "
@@ -157,7 +167,7 @@ def restore_extra_state(weights: Any, targets: Mapping[str, torch.Tensor]) -> No
             module.set_extra_state(targets[base].clone())
             continue
         before = module.get_extra_state()
-        if isinstance(before, TensorDictBase):
+        if is_tensordict(before):
             before = before.flatten_keys(".").to_dict()
         if not isinstance(before, Mapping) or not before:
             continue
@@ -203,7 +213,7 @@ def materialize(weights: Any, device: torch.device) -> None:
                 for name, t in table.items():
                     if t is not None and t.is_meta:
                         table[name] = real(t)
-    elif isinstance(weights, TensorDictBase):
+    elif is_tensordict(weights):
         if weights.device is not None and weights.device.type == "meta":
             weights.clear_device_()
         for key, t in list(weights.items(include_nested=True, leaves_only=True)):
@@ -213,7 +223,7 @@ def materialize(weights: Any, device: torch.device) -> None:
         if not isinstance(weights, MutableMapping):
             raise TypeError(f"a {type(weights).__name__} of meta tensors cannot be filled in place: pass a dict")
         for key, value in list(weights.items()):
-            if isinstance(value, (Mapping, TensorDictBase)):
+            if isinstance(value, Mapping) or is_tensordict(value):
                 materialize(value, device)
             elif isinstance(value, torch.Tensor) and value.is_meta:
                 weights[key] = real(value)

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
 from wsync_core import SchemaMismatchError, TransportError, WeightSyncScheme, WorkerTimeoutError
 
 from .context import Context, Session
@@ -48,12 +47,18 @@ def holding_spec() -> ModelSpec:
 
 
 # -- worker side: run inside the receiver process ---------------------------------------------------
+def _tensordict_data(module: Any) -> Any:
+    from tensordict import TensorDict  # only here: importing it costs each receiver runner seconds
+
+    return TensorDict.from_module(module).data
+
+
 def _scene_hold(s: Any, how: str) -> dict[str, Any]:
     """Build the policy (on the meta device for ``how="meta"``) and hand it to init_on_receiver
     as a module, its state_dict, or ``TensorDict.from_module(policy).data``."""
     s.model = build(s.spec, "meta" if how == "meta" else "cpu")
     given = {"module": lambda m: m, "meta": lambda m: m, "state_dict": lambda m: m.state_dict(),
-             "tensordict_data": lambda m: TensorDict.from_module(m).data}[how](s.model)
+             "tensordict_data": _tensordict_data}[how](s.model)
     s.scheme.init_on_receiver(model=given, worker_idx=s.worker_idx)
     return {"state": s.scheme.state}
 

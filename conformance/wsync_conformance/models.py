@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tensordict import TensorDict
 from torch import nn
 from wsync_core.layout import DTYPES
 from wsync_core.weights import flatten
@@ -138,6 +137,8 @@ def build(spec: ModelSpec, device: str | torch.device = "cpu", *, sender: bool =
     if spec.kind == "state_dict":
         return {t.key: tensors[t.key] for t in spec.tensors}
     if spec.kind == "tensordict":
+        from tensordict import TensorDict  # only here: importing it costs each receiver runner seconds
+
         td = TensorDict({}, batch_size=[], device=None)
         for t in spec.tensors:
             td[tuple(t.key.split("."))] = tensors[t.key]

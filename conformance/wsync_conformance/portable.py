@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from wsync_core.weights import is_tensordict
 
 __all__ = ["inspect_pickle", "MAX_PICKLE_BYTES"]
 
@@ -19,7 +19,7 @@ __all__ = ["inspect_pickle", "MAX_PICKLE_BYTES"]
 MAX_PICKLE_BYTES = 64 * 1024
 
 _FORBIDDEN: tuple[type, ...] = (
-    torch.Tensor, torch.UntypedStorage, torch.TypedStorage, torch.nn.Module, TensorDictBase,
+    torch.Tensor, torch.UntypedStorage, torch.TypedStorage, torch.nn.Module,
     threading.Thread, socket.socket, mmap.mmap, io.IOBase, multiprocessing.connection.Connection,
     type(threading.Lock()), type(threading.RLock()), threading.Event, threading.Condition,
 )
@@ -31,7 +31,7 @@ class _Inspector(pickle.Pickler):
         self.found: list[str] = []
 
     def reducer_override(self, obj: Any):
-        if isinstance(obj, _FORBIDDEN) or type(obj).__module__.split(".")[0] in ("zmq", "_socket"):
+        if isinstance(obj, _FORBIDDEN) or is_tensordict(obj) or type(obj).__module__.split(".")[0] in ("zmq", "_socket"):
             self.found.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
         return NotImplemented
 
