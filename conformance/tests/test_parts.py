@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,6 +14,7 @@ from hypothesis import given, settings
 from wsync_core import WeightSyncScheme
 from wsync_core.weights import flatten
 
+from wsync_conformance import netns
 from wsync_conformance.context import classify
 from wsync_conformance.models import build, digests, fill, random_values, rich_spec
 from wsync_conformance.portable import inspect_pickle
@@ -101,3 +105,27 @@ def test_trusted_runtime_allows_only_its_own_modules() -> None:
     table = format_table({}, "header", ["processes"], trusted=trusted_runtime(OnRay))
     assert table.splitlines()[-1] == "trusted runtime: ray (Ray carries its own references)"
     assert "trusted runtime" not in format_table({}, "header", ["processes"])
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_hosts_reaps_what_a_killed_process_left_and_never_takes_a_subnet_in_use() -> None:
+    """A process killed inside ``hosts(local=True)`` leaves its link and route behind; while they
+    are there no new local host gets that subnet, and the next ``hosts`` deletes them."""
+    code = ("import os\nfrom wsync_conformance import netns\n"
+            "with netns.hosts(2, local=True) as made:\n    print(made[0].address, flush=True)\n    os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left = out.stdout.split()[0].rsplit(".", 1)[0]
+    assert f"inet {left}." in _addresses(), "the killed process left no link behind: nothing tested"
+    assert netns._free_subnet(int(left.rsplit(".", 1)[1])) != left
+    with netns.hosts(2, local=True) as (here, there):
+        assert f"inet {left}." not in _addresses(), "the dead process's link was not deleted"
+        with socket.socket() as server:
+            server.bind((here.address, 0))
+            server.listen()
+            probe = f"import socket; socket.create_connection(({here.address!r}, {server.getsockname()[1]}), timeout=20)"
+            assert there.run([sys.executable, "-c", probe]).wait(60) == 0
+
+
+def _addresses() -> str:
+    return subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30).stdout

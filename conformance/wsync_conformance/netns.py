@@ -4,12 +4,18 @@
 ``.address``; ``.run(argv)`` starts a process inside one, ``.cut()``/``.restore()`` take its link down
 and up. The bridge sits in a namespace of its own, so nothing is added to this machine's network
 (unless ``local=True`` makes this process one of the hosts), and everything is deleted on exit.
+What a killed process left behind (its pid is in every name) is deleted by the next ``hosts``,
+and a ``local`` host's subnet is one no link of this machine uses: a leftover route to the same
+/24 would take its packets elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +26,10 @@ from typing import Any
 __all__ = ["Host", "hosts", "available"]
 
 _counter = itertools.count()
+#: held while one process reaps leftovers and picks a subnet for a local link, then makes that link
+_LOCK_PATH = "/tmp/wsync-netns.lock"
+#: the names ``hosts`` gives, with the pid of the process that made them
+_OURS = re.compile(r"^(?:wsync(\d+)-\d+(?:sw|h\d+)|ws(\d+)c\d+)$")
 
 
 def _ip(*args: str) -> None:
@@ -32,6 +42,57 @@ def _ip(*args: str) -> None:
 def _ids() -> tuple[int, int]:
     """This process's id and a count of calls: names unique across processes and calls."""
     return os.getpid(), next(_counter)
+
+
+def _listed(*args: str) -> str:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    return result.stdout if result.returncode == 0 else ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap_orphans() -> None:
+    """Delete the namespaces and links that ``hosts`` made in processes now dead (a run killed
+    before its cleanup): a leftover local link keeps a route to its /24."""
+    for line in _listed("netns", "list").splitlines():
+        name = line.split(" ", 1)[0]
+        found = _OURS.match(name)
+        if found and found.group(1) and not _pid_alive(int(found.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    for line in _listed("-o", "link", "show").splitlines():
+        parts = line.split(": ", 2)
+        name = parts[1].split("@", 1)[0] if len(parts) > 1 else ""
+        found = _OURS.match(name)
+        if found and found.group(2) and not _pid_alive(int(found.group(2))):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
+
+
+def _free_subnet(start: int) -> str:
+    """The first 10.233.N (N from ``start``, wrapping in 1..250) that no address here is on."""
+    used = set(re.findall(r"inet 10\.233\.(\d+)\.", _listed("-4", "-o", "addr", "show")))
+    for i in range(250):
+        n = (start - 1 + i) % 250 + 1
+        if str(n) not in used:
+            return f"10.233.{n}"
+    raise RuntimeError("every subnet 10.233.1-250.0/24 is in use on this machine")
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    with open(_LOCK_PATH, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> str | None:
@@ -93,7 +154,7 @@ class Host:
 def hosts(n: int, subnet: str | None = None, *, local: bool = False) -> Iterator[list[Host]]:
     """``n`` hosts on one bridge, at ``SUBNET.1`` .. ``SUBNET.n`` (/24); all deleted on exit, whatever happens.
 
-    ``subnet`` is three octets ("10.231.0"); by default one picked from this process's id. With
+    ``subnet`` is three octets ("10.231.0"); by default a 10.233.N no address here is on. With
     ``local=True`` the first host is this process's own namespace (for an in-process sender): its
     address is then on a veth link here, removed on exit. Raises RuntimeError naming the ``ip``
     command that failed (call ``available()`` first to skip where namespaces cannot be made).
@@ -101,23 +162,27 @@ def hosts(n: int, subnet: str | None = None, *, local: bool = False) -> Iterator
     if not 1 <= n <= 250:
         raise ValueError(f"hosts(n) takes 1 to 250 hosts, got {n}")
     pid, k = _ids()
-    tag, subnet = f"wsync{pid}-{k}", subnet or f"10.233.{(pid + k) % 250 + 1}"
+    tag = f"wsync{pid}-{k}"
     switch = f"{tag}sw"
     made: list[str] = []  # namespaces, deleted in reverse; deleting one deletes its ends of the links
     here = f"ws{pid}c{k}" if local else None  # this namespace's end of the first host's link (<= 15 chars)
     made_here = False
     out: list[Host] = []
     try:
-        _ip("netns", "add", switch)
-        made.append(switch)
+        with _machine_lock():  # no other process picks the same subnet before this one's link holds it
+            _reap_orphans()
+            subnet = subnet or _free_subnet((pid + k) % 250 + 1)
+            _ip("netns", "add", switch)
+            made.append(switch)
+            if here is not None:
+                _ip("link", "add", here, "type", "veth", "peer", "name", "p0", "netns", switch)
+                made_here = True
+                _ip("addr", "add", f"{subnet}.1/24", "dev", here)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", switch, "link", "set", "br0", "up")
         for i in range(n):
             port, address = f"p{i}", f"{subnet}.{i + 1}"
             if here is not None and i == 0:
-                _ip("link", "add", here, "type", "veth", "peer", "name", port, "netns", switch)
-                made_here = True
-                _ip("addr", "add", f"{address}/24", "dev", here)
                 _ip("link", "set", here, "up")
                 name = None
             else:
