@@ -8,6 +8,12 @@ applies a version that something newer had replaced before it asked. Payloads ar
 copy-on-write maps of the sender's sealed slots, which the core adopts as the model's tensors
 (``zero_copy``) and releases when the model moves on; or read-only maps it copies
 from.
+
+The SEEN and RELEASE frames that taking and applying a delivery produce are held back and go out
+with its ACK, in one send: the sender's I/O thread then wakes once per version and worker, not
+three times. Held frames never wait on a worker that stops: they go out with the next frame sent
+(an ack, a probe), before a ``recv`` waits, and at the latest at the second ``recv`` after the
+delivery was taken if no ack came in between.
 """
 
 from __future__ import annotations
@@ -64,6 +70,11 @@ class MpReceiver(ReceiverEndpoint):
         self.woken = False              # the scheme is shutting down: recv returns at once
         self.probes = 0                 # the number of the last probe sent
         self.answered = 0               # the number of the last probe the sender answered
+        #: SEEN/RELEASE frames held back (under send_lock) to go out with the next ack in one send
+        self.held = bytearray()
+        #: recv() calls that returned nothing since the last delivery taken while frames were held
+        #: (-1: none held back since the last flush)
+        self.idle_recvs = -1
 
     # -- ReceiverEndpoint --------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -85,21 +96,28 @@ class MpReceiver(ReceiverEndpoint):
         waited (or bytes were unread) when called, first probe and wait for the answer, so what this
         returns is never older than what the sender published before the call. Raises
         TransportError once the connection failed and nothing is left to deliver."""
+        if self.idle_recvs >= 1:  # a delivery was taken two calls ago and no ack followed: send what is held
+            self._send(b"")
         with self.cond:
             waited = self.ended is None and not self.woken and not deadline.expired() and self._waited()
             if waited:
                 self.probes += 1
                 probe = self.probes
         if waited:
-            self._send(FRAMING.encode(Kind.PROBE, arg=probe))
+            self._send(FRAMING.encode(Kind.PROBE, arg=probe))  # (held frames go first)
             with self.cond:
                 while (self.answered < probe and self.ended is None and not self.woken
                        and not deadline.expired()):
                     self.cond.wait(deadline.slice(1.0))
+        if self.idle_recvs >= 0 and self.newest is None and not deadline.expired():
+            self._send(b"")  # about to wait: the sender must not wait for what is held meanwhile
         with self.cond:
             while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
                 self.cond.wait(deadline.slice(1.0))
             if self.newest is None or self.woken:
+                with self.send_lock:
+                    if self.idle_recvs >= 0:
+                        self.idle_recvs += 1
                 if self.failed:
                     raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
                                          f"version it applied")
@@ -107,7 +125,9 @@ class MpReceiver(ReceiverEndpoint):
             index, header = self.newest
             self.newest = None
             mapped = self.maps.get(index)
-        self._send(FRAMING.encode(Kind.SEEN, arg=index))  # taken: the sender may notify the next one
+        with self.send_lock:  # taken: the sender may notify the next one (held back until the ack, sent with it)
+            self.held += FRAMING.encode(Kind.SEEN, arg=index)
+            self.idle_recvs = 0
         released = False
 
         def release() -> None:
@@ -133,6 +153,7 @@ class MpReceiver(ReceiverEndpoint):
             return False
 
     def ack(self, data: bytes) -> None:
+        """Send the ack, with the SEEN and RELEASE frames held back since the delivery was taken, in one send."""
         self._send(FRAMING.encode(Kind.ACK, data))
 
     def wake(self) -> None:
@@ -262,13 +283,23 @@ class MpReceiver(ReceiverEndpoint):
 
     # -- helpers --------------------------------------------------------------------------------
     def _release(self, index: int) -> None:
-        self._send(FRAMING.encode(Kind.RELEASE, arg=index))
+        self._send(FRAMING.encode(Kind.RELEASE, arg=index), hold=True)
 
-    def _send(self, data: bytes) -> None:
-        """Send a small frame, waiting at most _SEND_TIMEOUT for room; a dead sender is reported by recv."""
-        view = memoryview(data)
-        end = time.monotonic() + _SEND_TIMEOUT
+    def _send(self, data: bytes, hold: bool = False) -> None:
+        """Send a small frame (after any held back), waiting at most _SEND_TIMEOUT for room; a dead
+        sender is reported by recv. ``hold``: keep it back for the next send instead while a taken
+        delivery waits for its ack (a SEEN, or a RELEASE then)."""
         with self.send_lock:
+            if hold and self.idle_recvs >= 0:
+                self.held += data
+                return
+            if self.held:
+                data, self.held = bytes(self.held) + data, bytearray()
+                self.idle_recvs = -1
+            if not data:
+                return
+            view = memoryview(data)
+            end = time.monotonic() + _SEND_TIMEOUT
             try:
                 while view:
                     try:

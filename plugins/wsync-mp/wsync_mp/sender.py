@@ -88,7 +88,9 @@ class MpSender(SenderEndpoint):
         self.slots: list[Slot] = []
         self.buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
         self.latest: int | None = None
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)  # guards shared state; poll() waits on it for events
+        self.freed = threading.Condition(lock)  # acquire() waits on it for a slot
         self.events: list[Event] = []
         self.conns: dict[int, _Conn] = {}           # by worker, once it said hello
         self.listener: socket.socket | None = None
@@ -134,7 +136,7 @@ class MpSender(SenderEndpoint):
                     raise WorkerTimeoutError(
                         f"mp: all {self.max_slots} payload slots are still being read by workers {holders} "
                         f"after {deadline.timeout:g} s (raise max_slots, or unblock those workers)", holders)
-                self.cond.wait(deadline.slice(1.0))
+                self.freed.wait(deadline.slice(1.0))
 
     def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         index = buffer.index if isinstance(buffer, Buffer) else -1
@@ -144,13 +146,14 @@ class MpSender(SenderEndpoint):
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
             self.latest = index
+            conns = [conn for w in workers if (conn := self.conns.get(w)) is not None]
+            for conn in conns:  # every frame made first: the writes, which wake workers, follow back to back
+                conn.pending = (index, header)
+                self._pump(conn, from_io_thread=False, write=False)
             stuck = False
-            for w in workers:
-                conn = self.conns.get(w)
-                if conn is not None:
-                    conn.pending = (index, header)
-                    self._pump(conn, from_io_thread=False)  # most often written out right here
-                    stuck = stuck or bool(conn.out)
+            for conn in conns:
+                self._flush(conn, from_io_thread=False)  # most often written out right here
+                stuck = stuck or bool(conn.out)
         if stuck:  # the I/O thread writes the rest when the socket has room
             self._wake()
 
@@ -287,7 +290,7 @@ class MpSender(SenderEndpoint):
                     for taken in (conn.held, conn.pinned):
                         if frame.arg in taken:
                             taken.remove(frame.arg)
-                            self.cond.notify_all()
+                            self.freed.notify_all()  # (not poll(): a release is no event)
                             break
                     self._pump(conn)
             elif frame.kind is Kind.SEEN:
@@ -338,9 +341,9 @@ class MpSender(SenderEndpoint):
             self.conns[worker] = conn
             self._emit(Joined(worker))
 
-    def _pump(self, conn: _Conn, from_io_thread: bool = True) -> None:
+    def _pump(self, conn: _Conn, from_io_thread: bool = True, write: bool = True) -> None:
         """Queue the newest pending notification for ``conn`` if the last one was read and it holds
-        fewer than _OUTSTANDING, and write."""
+        fewer than _OUTSTANDING, and (``write``) write."""
         if conn.pending is None or conn.unseen is not None or len(conn.held) >= _OUTSTANDING:
             return
         index, header = conn.pending
@@ -354,7 +357,8 @@ class MpSender(SenderEndpoint):
         conn.held.append(index)
         conn.unseen = index
         self._answer(conn)
-        self._flush(conn, from_io_thread)
+        if write:
+            self._flush(conn, from_io_thread)
 
     def _answer(self, conn: _Conn) -> None:
         """Queue the answer to ``conn``'s probe once no version waits for it: the answer then follows
@@ -414,11 +418,14 @@ class MpSender(SenderEndpoint):
         conn.pinned.clear()
         conn.pending = None
         self.cond.notify_all()
+        self.freed.notify_all()
 
     def _forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the sender's descriptors, touch nothing else."""
         self.closing = True
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        self.freed = threading.Condition(lock)
         self.thread = None
         self._release_fds(goodbye=False)
 

@@ -188,12 +188,16 @@ class _Sender(SenderEndpoint):
     def acquire(self, deadline: Deadline) -> Buffer:
         if self._acquired is not None:  # handed out before but never published: still ours
             return self._buffers[self._acquired]
-        self._pump(0.0)
+        pumped = False  # (the core has just polled: most often a slot is free without another look)
         while True:
             order = sorted(range(len(self._slots)), key=lambda i: self._slots[i].gen)
             for i in order:
                 if i != self._latest and not self._owed(i) and self._slots[i].try_lock(exclusive=True):
                     return self._hand_out(i)
+            if not pumped:  # acks that came meanwhile may free one: take them in before adding a slot
+                pumped = True
+                self._pump(0.0)
+                continue
             if len(self._slots) < 2 * self._num_workers + 2:  # owed and viewed per worker, the latest, a spare
                 i = self._new_slot()
                 self._slots[i].try_lock(exclusive=True)
@@ -227,14 +231,14 @@ class _Sender(SenderEndpoint):
             self._latest = index
         gen = self._slots[index].gen
         message = FRAMING.encode(Kind.DELIVER, header, arg=index, value=gen)
-        for w in workers:
-            conn = self._conns.get(w)
-            if conn is not None:
-                self._mailbox[w] = (index, gen)
-                self._send(conn, message)
+        conns = [conn for w in workers if (conn := self._conns.get(w)) is not None]
+        for conn in conns:
+            self._mailbox[conn.worker] = (index, gen)
+        for conn in conns:  # the sends, which wake the workers, back to back
+            self._send(conn, message)
 
     def poll(self, deadline: Deadline) -> list[Event]:
-        self._pump(0.0)
+        self._pump(0.0 if self._events else deadline.slice(3600.0))  # one select when it has to wait
         while not self._events and not deadline.expired():
             self._pump(deadline.slice(3600.0))
         events, self._events = self._events, []
@@ -317,6 +321,16 @@ class _Sender(SenderEndpoint):
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.sock.fileno() < 0:
             return
+        if data and not conn.out:  # the common case: the socket takes it all at once
+            try:
+                sent = conn.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                return self._drop(conn, f"connection failed: {exc}")
+            if sent == len(data):
+                return
+            data = data[sent:]
         had = bool(conn.out)
         conn.out += data
         try:
@@ -476,7 +490,16 @@ class _Receiver(ReceiverEndpoint):
     def ack(self, data: bytes) -> None:
         if self._closed_by is not None or self._sock is None:
             return
-        out = bytearray(FRAMING.encode(Kind.ACK, data, value=self._taken))
+        frame = FRAMING.encode(Kind.ACK, data, value=self._taken)
+        try:
+            sent = self._sock.send(frame)  # the common case: all of it at once
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            return self._sender_gone(f"the connection to the shm sender failed ({exc})")
+        if sent == len(frame):
+            return
+        out = bytearray(frame[sent:])
         deadline = Deadline(_ACK_SEND_TIMEOUT)
         try:
             wire.send_some(self._sock, out)

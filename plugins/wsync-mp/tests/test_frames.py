@@ -1,0 +1,97 @@
+"""mp's control frames from a worker: what taking and applying a version sends, and when."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+from wsync_core import Deadline, WeightSyncScheme
+from wsync_mp.wire import FRAMING, Kind
+
+
+class _CountingSocket:
+    """A worker's socket that records each ``send`` call's bytes (everything else passes through)."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.sent: list[bytes] = []
+
+    def send(self, data: Any, *flags: int) -> int:
+        n = self._sock.send(data, *flags)
+        self.sent.append(bytes(data[:n]))
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def kinds(self) -> list[list[Kind]]:
+        """The frame kinds of each send, in order."""
+        return [[f.kind for f in FRAMING.reader("a worker", frozenset(Kind)).feed(chunk)] for chunk in self.sent]
+
+
+def _pair() -> tuple[WeightSyncScheme, nn.Module, WeightSyncScheme, _CountingSocket]:
+    """A connected mp sender (sync=False) and one receiver in this process, the receiver's socket counted."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    sender = WeightSyncScheme("mp", timeout=30.0, sync=False)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
+    receiver.init_on_receiver(model=nn.Linear(8, 8), worker_idx=0)
+    t = threading.Thread(target=receiver.connect)
+    t.start()
+    sender.connect()
+    t.join()
+    endpoint = receiver._role.endpoint
+    counting = endpoint.sock = _CountingSocket(endpoint.sock)
+    return sender, model, receiver, counting
+
+
+def test_seen_and_release_go_out_with_the_ack_in_one_send() -> None:
+    """Taking a version (SEEN), giving its slot back after the copy (RELEASE) and the ack reach the
+    sender in one send: one wake-up of its I/O thread per version, not three."""
+    sender, model, receiver, counting = _pair()
+    try:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30.0) == 1
+        handle.wait()
+        kinds = counting.kinds()
+        assert [Kind.SEEN, Kind.RELEASE, Kind.ACK] in kinds, kinds
+        assert all(Kind.ACK in k for k in kinds if Kind.SEEN in k or Kind.RELEASE in k), kinds
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_held_frames_never_wait_on_a_worker_that_does_not_ack() -> None:
+    """A delivery taken and never acked (the worker stopped between): its SEEN goes out at the
+    latest with the second recv() after it, or before a recv() that waits, so the sender goes on
+    notifying newer versions."""
+    sender, model, receiver, counting = _pair()
+    endpoint = receiver._role.endpoint
+    try:
+        sender.send_async()
+        delivery = endpoint.recv(Deadline(30.0))
+        assert delivery is not None
+        delivery.release()
+        assert endpoint.recv(Deadline(0.0)) is None
+        assert not any(Kind.SEEN in k for k in counting.kinds()), "held until an ack or the next recv()"
+        assert endpoint.recv(Deadline(0.0)) is None
+        assert [Kind.SEEN, Kind.RELEASE] in counting.kinds()
+        sender.send_async()  # notified only because the sender saw the SEEN
+        assert receiver.receive(timeout=30.0) == 2
+
+        sender.send_async()
+        delivery = endpoint.recv(Deadline(30.0))
+        assert delivery is not None
+        delivery.release()
+        sent = len(counting.sent)
+        assert endpoint.recv(Deadline(0.05)) is None  # nothing comes: it waits, after sending what it held
+        assert counting.kinds()[sent:] == [[Kind.SEEN, Kind.RELEASE]]
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
