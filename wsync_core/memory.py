@@ -155,12 +155,13 @@ class _CopyPool:
     """Daemon threads that run shares of a ``copy_pieces`` call; idle ones block on a queue."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[list[tuple[int, int, int]], _Countdown] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[list[tuple[int, int, int]], _Countdown]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def run(self, shares: list[list[tuple[int, int, int]]]) -> None:
-        """Copy ``shares[1:]`` on helper threads and ``shares[0]`` here; return when all are copied."""
+        """Copy ``shares[1:]`` on helper threads and ``shares[0]`` here; return when all are copied.
+        Raises what a share's copy raised (after every share is done)."""
         done = _Countdown(len(shares) - 1)
         with self._lock:
             while len(self._threads) < len(shares) - 1:
@@ -173,15 +174,16 @@ class _CopyPool:
             _copy_share(shares[0])
         finally:
             done.wait()  # never return while a helper may still write the caller's memory
+        if done.error is not None:
+            raise done.error
 
     def _serve(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            share, done = job
+            share, done = self._jobs.get()
             try:
                 _copy_share(share)
+            except Exception as exc:  # raised again in the caller's thread by run()
+                done.error = exc
             finally:
                 done.step()
 
@@ -189,10 +191,11 @@ class _CopyPool:
 class _Countdown:
     """Counts finished shares; ``wait`` blocks (no spinning) until all are."""
 
-    __slots__ = ("_left", "_cond")
+    __slots__ = ("_left", "_cond", "error")
 
     def __init__(self, n: int) -> None:
         self._left = n
+        self.error: Exception | None = None  # what a helper's share raised
         self._cond = threading.Condition(threading.Lock())
 
     def step(self) -> None:
@@ -229,7 +232,7 @@ def copy_pieces(pieces: Sequence[tuple[int, int, int]], threads: int) -> None:
     another's destinations, and every address must stay valid until this returns (the caller
     holds the tensors). Helper threads block between calls, so nothing spins after the copy."""
     total = sum(n for _, _, n in pieces)
-    threads = max(1, min(int(threads), total // (PARALLEL_MIN_BYTES // 2) or 1))
+    threads = max(1, min(int(threads), total // (PARALLEL_MIN_BYTES // 2) or 1))  # shares of 2 MiB or more
     if threads == 1 or total < PARALLEL_MIN_BYTES:
         _copy_share([p for p in pieces if p[2]])
         return
