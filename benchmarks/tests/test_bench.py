@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -97,3 +100,13 @@ def test_delta_cli_smoke(tmp_path, capsys) -> None:
     assert rows["adapter"]["bytes_median"] < rows["full"]["bytes_median"]
     assert "adapter" in capsys.readouterr().out
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
+def test_same_loop_times_every_send_it_was_asked_for(tmp_path) -> None:
+    """``benchmarks/same_loop.py`` (the program that compares commits) runs on the public API."""
+    script = Path(__file__).parents[1] / "same_loop.py"
+    out = subprocess.run([sys.executable, str(script), "shm", "--workers", "1", "--updates", "5", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("shm 1 workers, 5 sends: p50 "), out.stdout
