@@ -117,14 +117,15 @@ def bump(model: nn.Module, by: float = 1.0) -> None:
             p.add_(by)
 
 
-def connected_pair(transport: str = "inproc", **kw: Any) -> tuple[WeightSyncScheme, nn.Module, WeightSyncScheme, nn.Module]:
-    """A connected sender and one receiver (in a thread of this process) on ``transport``:
-    (sender, its model, receiver, the receiver's model)."""
-    model = make_policy(0)
+def connected_pair(transport: str = "inproc", model: Any = None, local: Any = None,
+                   **kw: Any) -> tuple[WeightSyncScheme, Any, WeightSyncScheme, Any]:
+    """A connected sender of ``model`` and one receiver of ``local`` (in a thread of this process)
+    on ``transport``, two policies by default: (sender, its model, receiver, the receiver's model)."""
+    model = make_policy(0) if model is None else model
+    local = make_policy(1) if local is None else local
     sender = WeightSyncScheme(transport, timeout=30.0, **kw)
     sender.init_on_sender(model=model, num_workers=1)
     receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
-    local = make_policy(1)
     receiver.init_on_receiver(model=local, worker_idx=0)
     t = threading.Thread(target=receiver.connect)
     t.start()

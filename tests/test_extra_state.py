@@ -4,14 +4,11 @@ counters) travels beside the weights as tensors, never pickled, and lands throug
 
 from __future__ import annotations
 
-import pickle
-import threading
-
 import pytest
 import torch
 from torch import nn
 
-from wsync_core import WeightSyncScheme
+from core_helpers import connected_pair
 from wsync_core.weights import flatten
 
 
@@ -49,16 +46,9 @@ def test_flatten_carries_extra_state_as_tensors():
 
 @pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
 def test_extra_state_reaches_the_receiver_exactly(strategy):
-    trainer = nn.Sequential(nn.Linear(2, 2), Stats())
-    sender = WeightSyncScheme("inproc", strategy=strategy, timeout=30)
-    sender.init_on_sender(model=trainer, num_workers=1)
-    receiver = pickle.loads(pickle.dumps(sender))
-    worker = nn.Sequential(nn.Linear(2, 2), Stats())
-    receiver.init_on_receiver(model=worker, worker_idx=0)
-    t = threading.Thread(target=receiver.connect)
-    t.start()
-    sender.connect()
-    t.join()
+    sender, trainer, receiver, worker = connected_pair(model=nn.Sequential(nn.Linear(2, 2), Stats()),
+                                                       local=nn.Sequential(nn.Linear(2, 2), Stats()),
+                                                       strategy=strategy)
     try:
         stats = trainer[1]
         stats.loc = torch.tensor([1.0, 2.0, 3.0])

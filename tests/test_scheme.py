@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import nn
 
-from core_helpers import bump, make_policy, same
+from core_helpers import bump, connected_pair, make_policy, same
 from wsync_core import (
     SchemaMismatchError,
     StateError,
@@ -209,16 +209,7 @@ def test_atomic_no_torn_reads():
     def make(i):
         return {f"t{j}": torch.zeros(4096) for j in range(8)}
 
-    sender = WeightSyncScheme("inproc", timeout=30, sync=False)
-    weights = make(0)
-    sender.init_on_sender(weights=weights, num_workers=1)
-    recv = pickle.loads(pickle.dumps(sender))
-    model = make(1)
-    recv.init_on_receiver(model=model, worker_idx=0)
-    t = threading.Thread(target=recv.connect)
-    t.start()
-    sender.connect()
-    t.join()
+    sender, weights, recv, model = connected_pair(model=make(0), local=make(1), sync=False)
     torn = []
     done = threading.Event()
 
