@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pickle
 import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 

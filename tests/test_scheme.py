@@ -16,7 +16,6 @@ from torch import nn
 from core_helpers import bump, connected_pair, make_policy, same
 from wsync_core import (
     SchemaMismatchError,
-    StateError,
     TransportError,
     WeightSyncScheme,
     WorkerTimeoutError,
