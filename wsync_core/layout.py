@@ -18,7 +18,7 @@ import torch
 
 from .errors import SchemaMismatchError
 from .lease import exclusive
-from .memory import copy_pieces
+from .memory import PARALLEL_MIN_BYTES, copy_pieces
 
 __all__ = ["Entry", "Layout", "ALIGN", "DTYPES", "clip_keys"]
 
@@ -206,11 +206,13 @@ class Layout:
     def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
 
-        CPU tensors that are plain contiguous bytes of the entry's dtype are copied with
-        ``memory.copy_pieces`` on ``torch.get_num_threads()`` threads (as many as torch's own copy
-        would use, none left spinning afterwards); anything else goes through ``copy_``."""
+        A payload of ``memory.PARALLEL_MIN_BYTES`` or more whose CPU tensors are plain contiguous
+        bytes of the entry's dtype is copied with ``memory.copy_pieces`` on ``torch.get_num_threads()``
+        threads (as many as torch's own copy would use, none left spinning afterwards); anything
+        else goes through ``copy_``, fused (for a small model, checking and copying tensor by
+        tensor in Python would cost more than the copy)."""
         srcs = [tensors[e.key] for e in self._filled]
-        pieces = _raw_pieces(self._filled, srcs, buffer)
+        pieces = _raw_pieces(self._filled, srcs, buffer) if self.nbytes >= PARALLEL_MIN_BYTES else None
         if pieces is not None:
             copy_pieces(pieces, torch.get_num_threads())
         else:
