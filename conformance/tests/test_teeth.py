@@ -34,18 +34,14 @@ def _command(args: list[str], out: Path) -> list[str]:
     return [sys.executable, "-m", "wsync_conformance", *args, "--json", str(out)]
 
 
-def _run(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "results.json"
-    proc = subprocess.run(_command(args, out), env=_env(), capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    return proc, json.loads(out.read_text()) if out.exists() else {}
-
-
 #: broken transports each run through ``wsync conformance`` (the command's own behaviour is under
 #: test: a hang past every interruption, the run going on) or that wait out long timeouts; the
 #: rest run as test classes of one pytest process beside them, as a third party's tests would
 BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "DeadlineIgnored", "BlockingPublish", "HoardingSender",
               "IgnoresRestart", "NoReconnect", "DroppedAck")
-#: command runs side by side (each mostly waits for timeouts)
+#: the reference transport, run through the whole suite by the command first, beside the broken ones
+REFERENCE = "inproc"
+#: command runs side by side (the broken ones mostly wait for timeouts)
 PARALLEL = 4
 #: every broken transport's run happens in the first test's setup: more than the project's 300 s
 pytestmark = pytest.mark.timeout(1800)
@@ -82,11 +78,11 @@ def _batch_results(path: Path, names: list[str]) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def broken_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """Every broken transport through the suite, each with only the tests that must catch it
-    (``wsync_broken.SELECT``): the ``BY_COMMAND`` ones a few at a time, longest first, beside one
-    pytest process that holds the rest."""
-    pending = [n for n in BY_COMMAND if n in broken.BROKEN]
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """``inproc`` through the whole suite, and every broken transport through the tests that must
+    catch it (``wsync_broken.SELECT``), by name: ``inproc`` and the ``BY_COMMAND`` ones through
+    the command, a few at a time, longest first, beside one pytest process that holds the rest."""
+    pending = [REFERENCE] + [n for n in BY_COMMAND if n in broken.BROKEN]
     batched = sorted(set(broken.BROKEN) - set(pending))
     running: dict[str, tuple[subprocess.Popen, object, Path]] = {}
     results: dict[str, Run] = {}
@@ -103,8 +99,8 @@ def broken_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
                 name = pending.pop(0)
                 there = tmp_path_factory.mktemp(name)
                 log = open(there / "log.txt", "w+")
-                cmd = _command([f"wsync_broken:{name}", "-k", broken.SELECT[name], "--timeout", "5"],
-                               there / "results.json")
+                args = [name] if name == REFERENCE else [f"wsync_broken:{name}", "-k", broken.SELECT[name], "--timeout", "5"]
+                cmd = _command(args, there / "results.json")
                 running[name] = (subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=there),
                                  log, there)
             for name, (proc, log, there) in list(running.items()):
@@ -133,9 +129,9 @@ def broken_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
 
 @pytest.mark.parametrize("name", sorted(broken.BROKEN))
-def test_broken_transport_fails_under_its_guarantee(name: str, broken_runs) -> None:
+def test_broken_transport_fails_under_its_guarantee(name: str, runs) -> None:
     guarantee = broken.BROKEN[name]
-    code, log, results = broken_runs[name]
+    code, log, results = runs[name]
     log = log[-8000:]
     assert code == 1, log
     assert results[guarantee]["status"] == "failed", log
@@ -143,35 +139,35 @@ def test_broken_transport_fails_under_its_guarantee(name: str, broken_runs) -> N
         assert f"{guarantee:<11} failed" in log, log
 
 
-def test_a_hung_publish_fails_its_test_naming_the_call_and_the_run_goes_on(broken_runs) -> None:
+def test_a_hung_publish_fails_its_test_naming_the_call_and_the_run_goes_on(runs) -> None:
     """A publish that blocks forever: its test fails under live within its budget, the report
     names SenderEndpoint.publish(), and the next test still runs (and passes)."""
-    code, log, results = broken_runs["BlockingPublish"]
+    code, log, results = runs["BlockingPublish"]
     (test, reason), = results["live"]["failed"]
     assert test == "test_versioned_counts_and_content" and "SenderEndpoint.publish()" in reason, log[-4000:]
     assert "ran past its budget" in reason, reason
     assert results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
 
 
-def test_a_call_blocked_in_c_ends_its_process_and_the_run_goes_on(broken_runs) -> None:
+def test_a_call_blocked_in_c_ends_its_process_and_the_run_goes_on(runs) -> None:
     """A publish that no signal reaches: the watchdog ends the pytest process, wsync conformance
     records the test as failed under live naming the call, and runs the rest in a new process."""
-    code, log, results = broken_runs["BlockedInC"]
+    code, log, results = runs["BlockedInC"]
     (test, reason), = results["live"]["failed"]
     assert test == "test_versioned_counts_and_content" and "SenderEndpoint.publish()" in reason, log[-4000:]
     assert "going on with the rest" in log and results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
 
 
-def test_a_receiver_ignoring_its_deadline_is_named(broken_runs) -> None:
-    code, log, results = broken_runs["DeadlineIgnored"]
+def test_a_receiver_ignoring_its_deadline_is_named(runs) -> None:
+    code, log, results = runs["DeadlineIgnored"]
     (test, reason), = results["live"]["failed"]
     assert "recv()" in reason and "ran past its budget" in reason, log[-4000:]
 
 
-def test_a_publish_ignoring_used_is_named(broken_runs) -> None:
+def test_a_publish_ignoring_used_is_named(runs) -> None:
     """A transport that declares prefix_publish and delivers whole buffers fails under exact, in the
     endpoint check, naming the bytes it delivered against ``used``."""
-    code, log, results = broken_runs["PrefixIgnored"]
+    code, log, results = runs["PrefixIgnored"]
     (test, reason), = results["exact"]["failed"]
     assert test == "test_endpoint_publish_delivers_used_bytes" and "used=" in reason, log[-4000:]
 
@@ -208,16 +204,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_inproc_passes_every_guarantee(tmp_path: Path) -> None:
-    proc, results = _run(["inproc"], tmp_path)
-    log = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, log
+def test_inproc_passes_every_guarantee(runs) -> None:
+    code, log, results = runs[REFERENCE]
+    assert code == 0, log[-9000:]
     assert set(results) == {"exact", "isolated", "atomic", "versioned", "live", "targeted", "ordered", "portable",
                             "clean", "safe"}
     assert {g: r["status"] for g, r in results.items()} == dict.fromkeys(results, "passed"), log
-    assert "capabilities declared: zero_copy, async_send, subset_send, late_join" in proc.stdout
+    assert "capabilities declared: zero_copy, async_send, subset_send, late_join" in log, log[-9000:]
     for row in ("zero_copy   passed", "async_send  passed", "subset_send passed", "late_join   passed"):
-        assert row in proc.stdout, proc.stdout[-4000:]
+        assert row in log, log[-9000:]
 
 
 def test_wsync_conformance_command_prints_the_table(tmp_path: Path) -> None:
