@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -159,6 +160,10 @@ class Receiver:
         finally:
             endpoint.ack(Ack(self.worker_idx, header.version).encode())
         # off the sender's path: unmap what the model stopped viewing, give back what fell due, warm the new
+        if warm is not None:
+            # tens of ms of page-table work follow: first let run whoever waits for a core (other
+            # workers of this send not yet woken to their ack; on few cores they would wait for a tick)
+            os.sched_yield()
         retired.clear()
         self._leases.drain()
         if warm is not None:
