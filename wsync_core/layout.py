@@ -18,7 +18,6 @@ import torch
 
 from .errors import SchemaMismatchError
 from .lease import exclusive
-from .memory import PARALLEL_MIN_BYTES, copy_pieces
 
 __all__ = ["Entry", "Layout", "ALIGN", "DTYPES", "clip_keys"]
 
@@ -206,17 +205,10 @@ class Layout:
     def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
 
-        A payload of ``memory.PARALLEL_MIN_BYTES`` or more whose CPU tensors are plain contiguous
-        bytes of the entry's dtype is copied with ``memory.copy_pieces`` on ``torch.get_num_threads()``
-        threads (as many as torch's own copy would use, none left spinning afterwards); anything
-        else goes through ``copy_``, fused (for a small model, checking and copying tensor by
-        tensor in Python would cost more than the copy)."""
-        srcs = [tensors[e.key] for e in self._filled]
-        pieces = _raw_pieces(self._filled, srcs, buffer) if self.nbytes >= PARALLEL_MIN_BYTES else None
-        if pieces is not None:
-            copy_pieces(pieces, torch.get_num_threads())
-        else:
-            _copy_all(self._views_of(buffer), srcs)
+        One fused ``copy_`` over every tensor, on torch's own threads: right after a training step
+        those threads are the ones still spinning, so a copy of its own threads would compete with
+        them for the cores (see docs/benchmarks.md)."""
+        _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
 
     def pack_stream(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, step: int,
                     ready: Callable[[int], None]) -> None:
@@ -331,29 +323,6 @@ class Layout:
     def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every entry as a view of ``buffer``, by key."""
         return {e.key: self.view(buffer, e) for e in self.entries}
-
-
-def _raw_pieces(entries: tuple[Entry, ...], srcs: list[torch.Tensor],
-                buffer: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """``(dst, src, nbytes)`` addresses for copying ``srcs`` into ``buffer`` at ``entries``' offsets
-    as raw bytes, or None where a byte copy would not be what ``copy_`` does: a buffer or a source
-    off the CPU or not contiguous, a tensor subclass, another dtype or size, a conjugate or negative view, a source
-    that overlaps the buffer."""
-    if not (buffer.is_cpu and buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.is_contiguous()):
-        return None
-    base = buffer.data_ptr()
-    end = base + buffer.numel()
-    pieces = []
-    for e, s in zip(entries, srcs):
-        if (type(s) not in (torch.Tensor, torch.nn.Parameter) or s.layout != torch.strided or not s.is_cpu
-                or s.dtype is not e.torch_dtype or s.numel() * s.element_size() != e.nbytes
-                or not s.is_contiguous() or s.is_conj() or s.is_neg() or e.offset + e.nbytes > buffer.numel()):
-            return None
-        ptr = s.data_ptr()
-        if ptr < end and base < ptr + e.nbytes:
-            return None
-        pieces.append((base + e.offset, ptr, e.nbytes))
-    return pieces
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -7,12 +7,6 @@ privately (``map_private``: reads see the slot, a worker's writes stay in its pr
 mapping has no page-table entries: the first read of every page traps into the kernel, which
 here costs about one more read of the whole payload; ``populate`` takes those faults in one
 call instead, where the caller chooses (after the ack: ``Delivery.warm``).
-
-``copy_pieces`` is the sender's snapshot copy of CPU tensors: plain ``memmove`` calls spread
-over threads that block when they are done. torch's copy runs on its OpenMP pool, whose threads
-spin for several milliseconds after every parallel region (about 10 ms of a core after each
-large copy): on a host with few cores that spinning holds back the very workers the snapshot
-was just published to.
 """
 
 from __future__ import annotations
@@ -22,17 +16,14 @@ import ctypes.util
 import fcntl
 import mmap
 import os
-import queue
 import sys
-import threading
 import warnings
-from collections.abc import Sequence
 
 import torch
 
 from .errors import TransportError
 
-__all__ = ["Slot", "map_shared", "map_private", "populate", "copy_pieces"]
+__all__ = ["Slot", "map_shared", "map_private", "populate"]
 
 #: the seals a memfd slot carries: its size can never change under a reader
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -145,111 +136,3 @@ def populate(tensor: torch.Tensor) -> bool:
     end = start + tensor.numel() * tensor.element_size()
     start -= start % _PAGE
     return _madvise_fn(start, end - start, _MADV_POPULATE_READ) == 0
-
-
-#: below this many bytes, ``copy_pieces`` copies in the calling thread (waking helpers costs more)
-PARALLEL_MIN_BYTES = 4 << 20
-
-
-class _CopyPool:
-    """Daemon threads that run shares of a ``copy_pieces`` call; idle ones block on a queue."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[list[tuple[int, int, int]], _Countdown]] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def run(self, shares: list[list[tuple[int, int, int]]]) -> None:
-        """Copy ``shares[1:]`` on helper threads and ``shares[0]`` here; return when all are copied.
-        Raises what a share's copy raised (after every share is done)."""
-        done = _Countdown(len(shares) - 1)
-        with self._lock:
-            while len(self._threads) < len(shares) - 1:
-                t = threading.Thread(target=self._serve, name="wsync-copy", daemon=True)
-                t.start()
-                self._threads.append(t)
-        for share in shares[1:]:
-            self._jobs.put((share, done))
-        try:
-            _copy_share(shares[0])
-        finally:
-            done.wait()  # never return while a helper may still write the caller's memory
-        if done.error is not None:
-            raise done.error
-
-    def _serve(self) -> None:
-        while True:
-            share, done = self._jobs.get()
-            try:
-                _copy_share(share)
-            except Exception as exc:  # raised again in the caller's thread by run()
-                done.error = exc
-            finally:
-                done.step()
-
-
-class _Countdown:
-    """Counts finished shares; ``wait`` blocks (no spinning) until all are."""
-
-    __slots__ = ("_left", "_cond", "error")
-
-    def __init__(self, n: int) -> None:
-        self._left = n
-        self.error: Exception | None = None  # what a helper's share raised
-        self._cond = threading.Condition(threading.Lock())
-
-    def step(self) -> None:
-        with self._cond:
-            self._left -= 1
-            if self._left <= 0:
-                self._cond.notify_all()
-
-    def wait(self) -> None:
-        with self._cond:
-            while self._left > 0:
-                self._cond.wait()
-
-
-def _copy_share(share: list[tuple[int, int, int]]) -> None:
-    for dst, src, n in share:
-        ctypes.memmove(dst, src, n)  # a ctypes call: the GIL is released while it copies
-
-
-_pool = _CopyPool()
-
-
-def _new_pool_in_child() -> None:
-    global _pool
-    _pool = _CopyPool()  # the parent's helper threads do not exist in a forked child
-
-
-os.register_at_fork(after_in_child=_new_pool_in_child)
-
-
-def copy_pieces(pieces: Sequence[tuple[int, int, int]], threads: int) -> None:
-    """``memmove(dst, src, n)`` for each ``(dst, src, n)`` piece of CPU memory, the bytes split into
-    ``threads`` equal shares copied at once (this thread copies one). Pieces must not overlap one
-    another's destinations, and every address must stay valid until this returns (the caller
-    holds the tensors). Helper threads block between calls, so nothing spins after the copy."""
-    total = sum(n for _, _, n in pieces)
-    threads = max(1, min(int(threads), total // (PARALLEL_MIN_BYTES // 2) or 1))  # shares of 2 MiB or more
-    if threads == 1 or total < PARALLEL_MIN_BYTES:
-        _copy_share([p for p in pieces if p[2]])
-        return
-    step = -(-total // threads)
-    step += -step % 4096  # shares start on page boundaries of the destination stream
-    shares: list[list[tuple[int, int, int]]] = [[]]
-    room = step
-    for dst, src, n in pieces:
-        while n:
-            k = min(n, room)
-            shares[-1].append((dst, src, k))
-            dst, src, n, room = dst + k, src + k, n - k, room - k
-            if room == 0:
-                shares.append([])
-                room = step
-    shares = [s for s in shares if s]
-    if len(shares) == 1:
-        _copy_share(shares[0])
-    else:
-        _pool.run(shares)

@@ -110,3 +110,14 @@ def test_same_loop_times_every_send_it_was_asked_for(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("shm 1 workers, 5 sends: p50 "), out.stdout
+
+
+@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
+def test_send_phases_splits_every_send_it_was_asked_for(tmp_path) -> None:
+    """``benchmarks/send_phases.py`` times the whole send, its snapshot and the rest, beside a memcpy."""
+    script = Path(__file__).parents[1] / "send_phases.py"
+    out = subprocess.run([sys.executable, str(script), "shm", "--workers", "1", "--mib", "2", "--repeat", "3",
+                          "--warmup", "1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("shm, 1 workers, 2 MiB, 3 sends, p50 / p99 ms: send "), out.stdout
+    assert "snapshot" in out.stdout and "publish to last ack" in out.stdout and "send x memcpy" in out.stdout
