@@ -206,7 +206,7 @@ class Layout:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
 
         One fused ``copy_`` over every tensor, on torch's own threads: right after a training step
-        those threads are the ones still spinning, so a copy of its own threads would compete with
+        those threads are the ones still spinning, so a copy on threads of its own would compete with
         them for the cores (see docs/benchmarks.md)."""
         _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
 
