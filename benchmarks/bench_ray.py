@@ -1,6 +1,6 @@
 """wsync's ``ray`` transport beside TorchRL's ``RayWeightSyncScheme``, on one Ray cluster, in one run.
 
-    python benchmarks/bench_ray.py [--sizes 64,512] [--workers 4] [--repeat 20] [--back-to-back] [--json FILE]
+    python benchmarks/bench_ray.py [--sizes 64,512] [--workers 4] [--repeat 20] [--json FILE]
 
 A Ray head node is started on this machine for the run (``wsync_ray.cluster.RayNode``: 2 CPUs,
 an object store of ``--store`` (4) times the largest size, preallocated, unreferenced objects deleted
@@ -23,12 +23,7 @@ collectors), holding the same float32 module (``wsync_bench.harness.build_model`
 Each row: p50 and p99 of ``--repeat`` timed rounds after 6 warm-ups (with 20 rounds, p99 is
 close to the slowest), and the ratio of p50s to the floor. Before each round the trainer's
 weights change (a ``fill_`` standing for a training step), untimed for every system. Six warm-ups, for every system: the
-first puts at a size land in object-store memory the trainer has not touched yet. Between two
-wsync rounds the trainer also waits, untimed, until every worker's ``receive()`` has returned
-(after its ack a worker unmaps the version it left and warms the new one's pages: work a real
-training step overlaps, as ``wsync bench``'s settle does); ``--back-to-back`` sends without that
-wait, so that work competes with the next send for the cores. TorchRL's receive is over when its
-send returns, and the floor's copies when their calls return.
+first puts at a size land in object-store memory the trainer has not touched yet.
 """
 
 from __future__ import annotations
@@ -77,7 +72,6 @@ class WsyncWorker:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.errors: list[str] = []
-        self.received = 0  # versions whose receive() returned: applied, acked, and the map warmed
         scheme.init_on_receiver(model=self.model, worker_idx=worker)
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -91,14 +85,9 @@ class WsyncWorker:
     def _loop(self) -> None:
         while not self.stop.is_set():
             try:
-                if self.scheme.receive(timeout=0.1) is not None:
-                    self.received += 1
+                self.scheme.receive(timeout=0.1)
             except Exception as exc:  # reported by close()
                 self.errors.append(f"{type(exc).__name__}: {exc}")
-
-    def versions_received(self) -> int:
-        """How many versions this actor's receive() has returned (each after its work past the ack)."""
-        return self.received
 
     def memcpy(self) -> None:
         """One copy of the payload's bytes into memory of this actor's own."""
@@ -174,18 +163,7 @@ def floor_rounds(actors: list, nbytes: int, repeat: int) -> tuple[list[float], l
     return per_receiver, one
 
 
-def _settle(actors: list, sent: int, timeout: float = 120.0) -> None:
-    """Wait (untimed) until every actor's receive() has returned for the ``sent`` versions sent so
-    far: a training step comes between two sends, and the workers finish their part of the last
-    update meanwhile (unmapping the old version, warming the new), as in ``wsync bench``."""
-    end = time.monotonic() + timeout
-    while min(ray.get([a.versions_received.remote() for a in actors])) < sent:
-        if time.monotonic() > end:
-            raise RuntimeError(f"wsync workers did not finish version {sent} within {timeout:g} s")
-        time.sleep(0.001)
-
-
-def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]], settle: bool = True) -> list[float]:
+def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -> list[float]:
     model = build_model(nbytes)
     scheme = WeightSyncScheme("ray", timeout=600.0)
     actors = [WsyncWorker.remote(scheme, i, nbytes) for i in range(n)]
@@ -206,12 +184,7 @@ def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]], s
                 r = scheme.last_report
                 parts.append((r.snapshot_s, r.publish_s, max(r.ack_latency.values())))
 
-        def prepare(i: int) -> None:
-            if settle:
-                _settle(actors, i)
-            _bump(model, float(i + 1))
-
-        lat = _rounds(step, repeat, prepare=prepare)
+        lat = _rounds(step, repeat, prepare=lambda i: _bump(model, float(i + 1)))
         floor["parts"] = [statistics.median(x) for x in zip(*parts)]
         floor["store"] = _store_stats()
         a, b = floor_rounds(actors, nbytes, repeat - half)
@@ -264,8 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--systems", default="wsync,torchrl")
-    parser.add_argument("--back-to-back", action="store_true",
-                        help="send the next wsync version without waiting for the workers to finish the last one")
     parser.add_argument("--store", type=int, default=4,
                         help="object store size in multiples of the largest size (default 4)")
     parser.add_argument("--json", default=None, help="write the figures here")
@@ -281,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             floor: dict[str, Any] = {"per_receiver": [], "one": []}
             measured = {}
             if "wsync" in systems:
-                measured["wsync ray"] = run_wsync(nbytes, args.workers, args.repeat, floor, settle=not args.back_to_back)
+                measured["wsync ray"] = run_wsync(nbytes, args.workers, args.repeat, floor)
             if "torchrl" in systems:
                 try:
                     measured["TorchRL RayWeightSyncScheme"] = run_torchrl(nbytes, args.workers, args.repeat)
