@@ -28,6 +28,8 @@ from .weights import Weights, device_of, flatten, materialize, meta_keys, restor
 __all__ = ["Receiver"]
 
 log = logging.getLogger("wsync")
+#: give up the core to a waiting thread, where the system has the call (not on Windows)
+_yield_core = getattr(os, "sched_yield", lambda: None)
 
 
 class Receiver:
@@ -163,7 +165,7 @@ class Receiver:
         if warm is not None:
             # tens of ms of page-table work follow: first let run whoever waits for a core (other
             # workers of this send not yet woken to their ack; on few cores they would wait for a tick)
-            os.sched_yield()
+            _yield_core()
         retired.clear()
         self._leases.drain()
         if warm is not None:
