@@ -52,3 +52,14 @@ def test_views_land_as_their_values(kind: str) -> None:
     buf = torch.zeros(lay.nbytes, dtype=torch.uint8)
     lay.pack({"w": t}, buf)
     assert torch.equal(buf, _reference(lay, {"w": plain}))
+
+
+def test_a_source_inside_the_buffer_lands_as_its_values() -> None:
+    """A source that is itself a view of the buffer (outside the bytes it is packed to) is copied as its values."""
+    buf = torch.zeros(4096 * 64, dtype=torch.uint8)
+    buf[4096:8192] = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+    t = buf[4096:8192].view(torch.float32)
+    plain = t.clone()
+    lay = Layout.of({"w": plain})
+    lay.pack({"w": t}, buf)
+    assert torch.equal(buf[:lay.nbytes], _reference(lay, {"w": plain}))
