@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
+import queue
 import threading
 import time
 import uuid
@@ -37,8 +39,10 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.forked import close_inherited
 from wsync_core.transport import Event, zero_copy_for
 
+from .acks import AckFrame, AckLink, AckServer, Closed, Hello
 from .mailbox import Mailbox
 from .plasma import private_map
 
@@ -55,6 +59,8 @@ WAKE_SLICE_S = 0.05
 RECHECK_GRACE_S = 0.05
 #: how many events long-polls the sender keeps at the mailbox at once
 EVENT_POLLS = 4
+#: longest a receiver tries to open its direct-ack connection before it acks through the mailbox
+ACK_CONNECT_S = 5.0
 _mailbox_class: Any = None
 
 
@@ -98,54 +104,127 @@ def _get(ref: Any, deadline: Deadline, woken: threading.Event) -> Any:
                 raise
 
 
-def _wait_any(refs: list[Any], deadline: Deadline, woken: threading.Event) -> list[Any]:
-    """Those of ``refs`` that are ready, waiting for one by ``deadline``, in slices of
-    ``WAKE_SLICE_S`` so that ``woken`` ends the wait at once. Raises GetTimeoutError at the
-    deadline, _Woken once woken."""
-    while True:
-        if woken.is_set():
-            raise _Woken
-        done, _ = ray.wait(refs, num_returns=1, timeout=deadline.slice(WAKE_SLICE_S), fetch_local=True)
-        if done:
-            more, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            return more or done
-        if deadline.expired():
-            raise GetTimeoutError("nothing came by the deadline")
-
-
 def _ray_failed(what: str, exc: BaseException) -> TransportError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return TransportError(f"{what}: {type(exc).__name__}: {first}")
 
 
+class _MailboxFailed:
+    """The events pump's Ray call failed: ``poll`` raises it."""
+
+    def __init__(self, exc: RayError) -> None:
+        self.exc = exc
+
+
+class _EventPump:
+    """A thread that keeps ``EVENT_POLLS`` events long-polls waiting at the mailbox, one for each
+    of the next events, so each new event answers one at once; it puts the events into ``inbox``
+    in their order (each once, whichever answer brings it), or a ``_MailboxFailed``."""
+
+    def __init__(self, mailbox: Any, inbox: queue.SimpleQueue) -> None:
+        self.mailbox, self.inbox = mailbox, inbox
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="wsync-ray-events", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop asking (within ``WAKE_SLICE_S``); waits for the thread unless called from it."""
+        self.stopped.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        pending: list[tuple[int, Any]] = []  # (event awaited, ref)
+        seen = -1  # the number of the last event handed on
+        while not self.stopped.is_set():
+            waiting = {need for need, _ in pending}
+            for need in range(seen + 1, seen + 1 + EVENT_POLLS):
+                if need not in waiting:
+                    pending.append((need, self.mailbox.events.remote(seen, need, LONG_POLL_S)))
+            refs = [ref for _, ref in pending]
+            done, _ = ray.wait(refs, num_returns=1, timeout=WAKE_SLICE_S, fetch_local=True)
+            if not done:
+                continue
+            done = ray.wait(refs, num_returns=len(refs), timeout=0)[0] or done
+            pending = [(n, r) for n, r in pending if r not in done]
+            try:
+                replies = ray.get(done)
+            except RayError as exc:
+                self.inbox.put(_MailboxFailed(exc))
+                return
+            numbered = sorted({item[0]: item[1] for reply in replies if isinstance(reply, list) for item in reply
+                               if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                               and item[0] > seen}.items())
+            for n, item in numbered:
+                if n != seen + 1:  # a gap: the next answer brings it, with what follows
+                    break
+                seen = n
+                self.inbox.put(_MailboxEvent(item))
+
+
+class _MailboxEvent:
+    """One event of the mailbox's log, as it came (checked by ``_event``)."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+
+#: acks the sender keeps from a receiver it has not yet seen join (they can come first: the
+#: mailbox hands a new receiver a delivery before the sender reads its join)
+MAX_EARLY_ACKS = 1024
+#: how long the sender waits, once a receiver has left, for its direct-ack connection to end
+#: (so that the acks it sent before leaving are read first)
+LEFT_GRACE_S = 1.0
+
+
 class RaySender(SenderEndpoint):
     """Two staging buffers; each new snapshot goes into the object store once, its reference to
-    the mailbox with the header for the listed workers."""
+    the mailbox with the header for the listed workers. Acks come over receivers' direct
+    connections (``acks.AckServer``) or, from a receiver without one, through the mailbox; both
+    and the mailbox's events meet in one inbox that ``poll`` reads."""
 
     def __init__(self, options: dict[str, Any], ctx: SenderContext) -> None:
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
+        self.direct_acks = options.get("direct_acks", True)
         self.nbytes = ctx.layout.nbytes
         self.slots: list[Buffer] = []
         self.refs: dict[int, Any] = {}  # slot -> object reference holding its bytes
         self.latest = -1  # the slot published last
         self.seq = 0
         self.mailbox: Any = None
-        self.pending_events: list[tuple[int, Any]] = []  # events long-polls waiting: (event awaited, ref)
-        self.seen = -1  # the number of the last event handed on
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.server: AckServer | None = None
+        self.pump: _EventPump | None = None
+        self.tokens: dict[int, str] = {}  # worker -> token of the receiver serving it, as joins said
+        self.retired: set[str] = set()  # tokens that served a worker and no longer do
+        self.early: list[AckFrame] = []  # direct acks of tokens not yet joined
+        self.links: set[str] = set()  # tokens with a direct-ack connection open
+        self.leaving: dict[str, tuple[Left, float]] = {}  # token -> its Left, held until its connection ends
         self.posts: list[Any] = []
         self.woken = threading.Event()
 
     def open(self, deadline: Deadline) -> None:
         connect_ray(self.address)
+        acks = None
+        if self.direct_acks:
+            try:  # where Ray itself listens for this node: receivers on other nodes reach it there
+                self.server = AckServer(ray.util.get_node_ip_address(), self.inbox)
+            except OSError as exc:
+                log.info("ray channel %s: no direct-ack socket (%s); acks go through the mailbox", self.channel, exc)
+            else:
+                acks = [self.server.address[0], self.server.address[1], self.server.secret]
+                _hosting.append(self.server.address[1])
         try:
             # on the sender's own node: a mailbox on a worker's node would take every worker down
             # with that node (a cut link, a preempted host)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0,
-                                              scheduling_strategy=here).remote()
+                                              scheduling_strategy=here).remote(acks)
         except ValueError as exc:
+            self._stop_threads()
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
                                  f"sender: {exc}") from exc
+        self.pump = _EventPump(self.mailbox, self.inbox)
         self.slots = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
     def acquire(self, deadline: Deadline) -> Buffer:
@@ -181,44 +260,107 @@ class RaySender(SenderEndpoint):
             raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
 
     def poll(self, deadline: Deadline) -> list[Event]:
-        while True:
-            self._check_posts()
-            # EVENT_POLLS long-polls wait at the mailbox, for the next EVENT_POLLS events, so each new
-            # event answers one at once (none waits for the sender's next call to arrive); events
-            # are numbered, so each is handed on once and in order whichever answer brings it
-            waiting = {need for need, _ in self.pending_events}
-            for need in range(self.seen + 1, self.seen + 1 + EVENT_POLLS):
-                if need not in waiting:
-                    self.pending_events.append((need, self.mailbox.events.remote(self.seen, need, LONG_POLL_S)))
+        self._check_posts()
+        events = self._due()
+        while not events and not self.woken.is_set():
             try:
-                done = _wait_any([ref for _, ref in self.pending_events], deadline, self.woken)
-                self.pending_events = [(n, r) for n, r in self.pending_events if r not in done]
-                replies = ray.get(done)
-            except (GetTimeoutError, _Woken):
-                return []
-            except RayError as exc:
-                self.pending_events = []
-                raise _ray_failed(f"the mailbox actor {self.channel!r} failed", exc) from exc
-            numbered = sorted({item[0]: item[1] for reply in replies if isinstance(reply, list) for item in reply
-                               if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
-                               and item[0] > self.seen}.items())
-            events: list[Event] = []
-            for n, item in numbered:
-                if n != self.seen + 1:  # a gap: the next answer brings it, with what follows
+                item = self.inbox.get(timeout=deadline.slice(WAKE_SLICE_S))
+            except queue.Empty:
+                events = self._due()
+                if deadline.expired():
                     break
-                self.seen = n
-                if (event := _event(item)) is not None:
-                    events.append(event)
-            if events or deadline.expired():
-                return events
+                continue
+            events = self._handle(item)
+            while True:  # whatever else is there already: one call hands on all of it
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                events += self._handle(item)
+            events += self._due()
+        return events
+
+    def _handle(self, item: Any) -> list[Event]:
+        """The wsync events one inbox item makes (none, one, or a join with the acks that came before it)."""
+        if isinstance(item, _MailboxFailed):
+            raise _ray_failed(f"the mailbox actor {self.channel!r} failed", item.exc) from item.exc
+        if isinstance(item, Hello):
+            self.links.add(item.token)
+            return []
+        if isinstance(item, Closed):
+            self.links.discard(item.token)
+            held = self.leaving.pop(item.token, None)
+            return [] if held is None else [held[0]]
+        if isinstance(item, AckFrame):
+            if self.tokens.get(item.worker) == item.token or item.token in self.leaving:
+                return [Acked(item.worker, item.data)]
+            if item.token not in self.retired:  # from a receiver whose join is still on its way
+                if len(self.early) >= MAX_EARLY_ACKS:
+                    log.warning("ray channel %s: more than %d acks from receivers not yet joined; dropping "
+                                "the oldest", self.channel, MAX_EARLY_ACKS)
+                    del self.early[0]
+                self.early.append(item)
+            return []
+        raw = item.item
+        event = _event(raw)
+        if isinstance(event, Joined):
+            out: list[Event] = []
+            for token, (left, _) in list(self.leaving.items()):  # a restart: the old receiver's end first
+                if left.worker == event.worker:
+                    del self.leaving[token]
+                    out.append(left)
+            old = self.tokens.get(event.worker)
+            if old is not None:
+                self.retired.add(old)
+            token = raw[2] if len(raw) == 3 and isinstance(raw[2], str) else None
+            if token is None:
+                self.tokens.pop(event.worker, None)
+                return [*out, event]
+            self.tokens[event.worker] = token
+            out.append(event)
+            keep = []
+            for ack in self.early:
+                if ack.token == token and ack.worker == event.worker:
+                    out.append(Acked(ack.worker, ack.data))
+                else:
+                    keep.append(ack)
+            self.early = keep
+            return out
+        if isinstance(event, Left):
+            token = self.tokens.pop(event.worker, None)
+            if token is not None:
+                self.retired.add(token)
+                if token in self.links:  # its acks sent before it left are read first
+                    self.leaving[token] = (event, time.monotonic() + LEFT_GRACE_S)
+                    return []
+        return [] if event is None else [event]
+
+    def _due(self) -> list[Event]:
+        """The held Left events whose receivers' connections did not end within ``LEFT_GRACE_S``."""
+        if not self.leaving:
+            return []
+        now = time.monotonic()
+        due = [token for token, (_, at) in self.leaving.items() if at <= now]
+        return [self.leaving.pop(token)[0] for token in due]
 
     def wake(self) -> None:
         self.woken.set()
 
+    def _stop_threads(self) -> None:
+        if self.pump is not None:
+            self.pump.stop()
+            self.pump = None
+        if self.server is not None:
+            if self.server.address[1] in _hosting:
+                _hosting.remove(self.server.address[1])
+            self.server.close()
+            self.server = None
+
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
         self.refs.clear()
-        self.slots, self.posts, self.pending_events = [], [], []
+        self.slots, self.posts = [], []
+        self._stop_threads()
         if mailbox is None:
             return
         try:  # waiting receivers hear that the sender is gone, then the actor goes
@@ -244,7 +386,7 @@ def _event(item: Any) -> Event | None:
     """One mailbox event as a wsync Event; None (logged) for anything malformed."""
     if isinstance(item, list) and len(item) >= 2 and isinstance(item[1], int) and not isinstance(item[1], bool):
         kind, worker = item[0], item[1]
-        if kind == "join" and len(item) == 2:
+        if kind == "join" and len(item) in (2, 3):
             return Joined(worker)
         if kind == "ack" and len(item) == 3 and isinstance(item[2], bytes) and len(item[2]) <= MAX_ACK_BYTES:
             return Acked(worker, item[2])
@@ -252,6 +394,19 @@ def _event(item: Any) -> Event | None:
             return Left(worker, item[2])
     log.warning("ray transport: ignoring a malformed mailbox event %.200r", item)
     return None
+
+
+#: the ports of the direct-ack sockets this process listens on or connects from (a forked
+#: child lets go of its copies, so the parent's port is free and its peers see its end)
+_hosting: list[int] = []
+
+
+def _after_fork_in_child() -> None:
+    ports, _hosting[:] = list(_hosting), []
+    close_inherited(ports=ports)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _payload(value: Any) -> torch.Tensor:
@@ -280,6 +435,7 @@ class RayReceiver(ReceiverEndpoint):
         self.fetching: tuple[bytes, Any] | None = None  # a delivery whose payload is not local yet
         self.zero_copy = zero_copy_for(options.get("zero_copy"), ctx)
         self.delivered = False  # the last recv returned a delivery
+        self.link: AckLink | None = None  # the direct-ack connection to the sender
         self.woken = threading.Event()
 
     def open(self, deadline: Deadline) -> None:
@@ -305,11 +461,24 @@ class RayReceiver(ReceiverEndpoint):
             if not ready:
                 raise WorkerTimeoutError(f"the ray sender on channel {self.channel!r} did not answer by the deadline",
                                          [self.worker])
-            if not ray.get(hello):
-                raise TransportError(f"the ray sender on channel {self.channel!r} has shut down")
+            reply = ray.get(hello)
         except RayError as exc:
             raise _ray_failed(f"saying hello to the ray sender on channel {self.channel!r} failed", exc) from exc
+        if reply == ["closed"]:
+            raise TransportError(f"the ray sender on channel {self.channel!r} has shut down")
+        if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == "ok"):
+            raise TransportError(f"malformed hello reply from the ray sender on channel {self.channel!r}: "
+                                 f"{reply!r:.100}")
         self.mailbox = mailbox
+        if reply[1] is not None:
+            try:  # acks straight to the sender; the mailbox carries them where that cannot connect
+                self.link = AckLink(reply[1], self.worker, self.token,
+                                    max(min(deadline.remaining(), ACK_CONNECT_S), 1.0))
+            except OSError as exc:
+                log.info("ray channel %s: worker %d acks through the mailbox (no direct connection: %s)",
+                         self.channel, self.worker, exc)
+            else:
+                _hosting.append(self.link.port)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self.woken.is_set():
@@ -411,14 +580,33 @@ class RayReceiver(ReceiverEndpoint):
     def ack(self, data: bytes) -> None:
         if len(data) > MAX_ACK_BYTES:
             raise TransportError(f"ack of {len(data)} bytes exceeds {MAX_ACK_BYTES}")
+        if self.link is not None:
+            try:
+                self.link.send(bytes(data))
+            except OSError as exc:  # the connection broke: this ack and the later ones go through the mailbox
+                log.info("ray channel %s: worker %d's direct ack failed (%s); acking through the mailbox",
+                         self.channel, self.worker, exc)
+                self._drop_link()
+            else:
+                if self.pending is None:  # re-arm the long-poll: what arrives next is here sooner
+                    self.pending = self.mailbox.take.remote(self.worker, self.token, LONG_POLL_S)
+                return
         if self.pending is None:  # the ack also re-arms the long-poll: what arrives next is here sooner
             self.pending = self.mailbox.ack.remote(self.worker, self.token, bytes(data), LONG_POLL_S)
         else:
             self.mailbox.ack.remote(self.worker, self.token, bytes(data))
 
+    def _drop_link(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            if link.port in _hosting:
+                _hosting.remove(link.port)
+            link.close()
+
     def close(self) -> None:
         mailbox, self.mailbox = self.mailbox, None
         self.pending = self.fetching = self.candidate = None
+        self._drop_link()  # its end reaches the sender after the acks sent on it, before the bye
         if mailbox is None:
             return
         try:  # after this worker's acks (Ray runs one caller's calls in order): the sender reads them first

@@ -2,7 +2,8 @@
 hellos and object references pass through it; payload bytes never do (they stay in Ray's
 object store, where the sender put them).
 
-It keeps, per worker, the newest delivery not yet taken (a take removes it, so the mailbox never
+It also hands receivers the address of the sender's direct-ack socket (``acks``), if the sender
+has one. It keeps, per worker, the newest delivery not yet taken (a take removes it, so the mailbox never
 holds a version a worker already has), the token of the receiver now serving that worker (a
 restarted receiver replaces it; calls with an older token are refused), and the events the
 sender has not collected yet. Every receiver's process is watched, so that when it dies the
@@ -39,11 +40,12 @@ class Mailbox:
     """Ray actor body (wrapped with ``ray.remote`` by the sender). Every method takes and returns
     plain values (ints, strings, bytes, lists) and object references nested in lists."""
 
-    def __init__(self) -> None:
+    def __init__(self, acks: list[Any] | None = None) -> None:
+        self._acks = acks  # [host, port, secret] of the sender's AckServer, or None
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
-        # [seq, event] not yet confirmed by the sender; event: ["join", w] | ["ack", w, data] | ["left", w, reason]
+        # [seq, event] not yet confirmed by the sender; event: ["join", w, token] | ["ack", w, data] | ["left", w, reason]
         self._events: list[list[Any]] = []
         self._seq = 0  # the number of the next event
         self._watches: dict[int, asyncio.Task] = {}
@@ -69,14 +71,15 @@ class Mailbox:
         self._seq += 1
         self._condition().notify_all()
 
-    async def hello(self, worker: int, token: str, watch: list[Any]) -> bool:
+    async def hello(self, worker: int, token: str, watch: list[Any]) -> list[Any]:
         """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
-        see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing. False
-        if the sender has shut down."""
+        see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing.
+        ``["ok", acks]`` (the sender's direct-ack address, or None), ``["closed"]`` if the sender
+        has shut down."""
         cond = self._condition()
         async with cond:
             if self._closed:
-                return False
+                return ["closed"]
             self._members[worker] = token
             self._entries.pop(worker, None)  # meant for a predecessor: the sender re-publishes on join
             old = self._watches.pop(worker, None)
@@ -86,8 +89,8 @@ class Mailbox:
                 probe = self._probe_actor if watch[0] == "actor" else self._probe_worker
                 self._watches[worker] = asyncio.get_running_loop().create_task(
                     self._watch(worker, token, probe, watch[1]))
-            self._event(["join", worker])
-        return True
+            self._event(["join", worker, token])
+        return ["ok", self._acks]
 
     async def _watch(self, worker: int, token: str, probe: Any, what: Any) -> None:
         """Probe ``what`` every WATCH_INTERVAL_S until it is found dead; then drop ``worker`` if

@@ -3,7 +3,8 @@
 The sender puts each version's payload into Ray's object store once (``ray.put``) and posts its
 header and object reference to a mailbox actor named after ``channel``; each receiver takes its
 newest delivery from the mailbox, reads the payload from its own node's object store (Ray moves
-it between nodes) and acks through the mailbox. Ray is imported only when an endpoint opens.
+it between nodes) and acks over a TCP connection straight to the sender (through the mailbox
+where it cannot open one). Ray is imported only when an endpoint opens.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ __all__ = ["RayTransport", "TRUSTED_RUNTIME"]
 TRUSTED_RUNTIME = (
     "ray",
     "Ray (de)serializes the object references and actor handles it carries between the trainer, the "
-    "mailbox actor and the workers, and its processes listen on the cluster's network: everyone who "
-    "can join the Ray cluster (its token) is trusted. wsync's headers, acks and payloads stay raw bytes.",
+    "mailbox actor and the workers, and its processes listen on the cluster's network (so does the sender's "
+    "direct-ack socket, on its node's Ray address, admitting only holders of a secret handed out through "
+    "Ray): everyone who can join the Ray cluster (its token) is trusted. wsync's headers, acks and payloads "
+    "stay raw bytes.",
 )
 
 
@@ -47,9 +50,11 @@ class RayTransport(Transport):
     ``"wsync"``), ``address`` (the cluster a process not yet connected to Ray joins with
     ``ray.init(address=...)``; default ``"auto"``, the cluster started on this machine) and
     ``checksum`` (CRC32 of every payload, default False: Ray's object store and transfers keep
-    bytes intact) and ``zero_copy`` (receivers map the payload copy-on-write and the core adopts
+    bytes intact), ``zero_copy`` (receivers map the payload copy-on-write and the core adopts
     it instead of copying: True, False, or None for CPU models of 1 MiB and more; it needs a
-    process allowed to open ``/proc/self/map_files``, else the receiver copies).
+    process allowed to open ``/proc/self/map_files``, else the receiver copies) and
+    ``direct_acks`` (default True: receivers ack over a TCP connection to the sender, opened with
+    a secret the mailbox hands them, instead of through the mailbox actor; see ``acks``).
     """
 
     name = "ray"
@@ -60,14 +65,16 @@ class RayTransport(Transport):
     trusted_runtime: ClassVar[tuple[str, str]] = TRUSTED_RUNTIME
 
     def __init__(self, *, channel: str | None = None, namespace: str = "wsync", address: str | None = None,
-                 checksum: bool = False, zero_copy: bool | None = None) -> None:
+                 checksum: bool = False, zero_copy: bool | None = None, direct_acks: bool = True) -> None:
         channel = f"wsync-{uuid.uuid4().hex}" if channel is None else _name(channel, "channel")
         if address is not None:
             address = _name(address, "address")
         if zero_copy is not None and not isinstance(zero_copy, bool):
             raise TypeError(f"ray option zero_copy must be True, False or None, got {zero_copy!r}")
+        if not isinstance(direct_acks, bool):
+            raise TypeError(f"ray option direct_acks must be True or False, got {direct_acks!r}")
         super().__init__(channel=channel, namespace=_name(namespace, "namespace"), address=address,
-                         checksum=bool(checksum), zero_copy=zero_copy)
+                         checksum=bool(checksum), zero_copy=zero_copy, direct_acks=direct_acks)
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         from .endpoints import RaySender
