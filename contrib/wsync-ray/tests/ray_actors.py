@@ -57,6 +57,10 @@ class Rollout:
             time.sleep(0.01)
         return self.state()
 
+    def direct_ack(self) -> bool:
+        """Whether this worker's receiver acks over a direct connection to the sender."""
+        return self.scheme._role.endpoint.link is not None
+
     def shutdown(self) -> None:
         self.stop.set()
         if self.thread is not None:

@@ -37,6 +37,10 @@ class Far:
         self.scheme.connect(timeout=120.0)
         return self.scheme.version
 
+    def direct_ack(self) -> bool:
+        """Whether this worker acks over a direct connection to the trainer (across the nodes' link)."""
+        return self.scheme._role.endpoint.link is not None
+
     def receive_until(self, version: int, timeout: float) -> dict:
         end = time.monotonic() + timeout
         while self.scheme.version < version and time.monotonic() < end:
@@ -55,6 +59,7 @@ def main(address: str) -> dict:
     connects = [a.connect.remote() for a in actors]
     scheme.connect()
     out["connected"] = ray.get(connects)
+    out["direct_acks"] = ray.get([a.direct_ack.remote() for a in actors])
     out["versions"] = []
     for v in range(1, 4):
         model["w"].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(v)))
@@ -63,6 +68,7 @@ def main(address: str) -> dict:
         got = ray.get([a.receive_until.remote(sent, 120.0) for a in actors])
         handle.wait()
         out["versions"].append({"v": sent, "digest": digest(model["w"]), "workers": got})
+    out["links"] = len(scheme._role.endpoint.links)
     ray.kill(actors[1], no_restart=True)
     model["w"].fill_(4.0)
     t0 = time.monotonic()

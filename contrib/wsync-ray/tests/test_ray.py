@@ -88,6 +88,29 @@ def test_killed_actor_is_a_dead_worker(cluster) -> None:
         scheme.shutdown()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct_acks", "mailbox_acks"])
+def test_acks_direct_or_through_the_mailbox(cluster, direct: bool) -> None:
+    """By default every actor acks over a direct connection to the sender (one per worker, each
+    seen by the sender); with ``direct_acks=False`` through the mailbox. Sends complete either way."""
+    model = {"w": torch.zeros(1 << 12)}
+    scheme = WeightSyncScheme("ray", timeout=120.0, direct_acks=direct)
+    scheme.init_on_sender(model=model, num_workers=3)
+    try:
+        actors = _start(cluster, scheme, 3, 1 << 12)
+        assert ray.get([a.direct_ack.remote() for a in actors]) == [direct] * 3
+        endpoint = scheme._role.endpoint
+        assert (endpoint.server is not None) == direct
+        for v in range(1, 21):
+            _fill(model, v)
+            assert scheme.send() == v
+        assert len(endpoint.links) == (3 if direct else 0)
+        states = ray.get([a.wait_version.remote(20, 60.0) for a in actors])
+        assert all(s["version"] == 20 and s["first"] == s["last"] == 20.0 and not s["errors"] for s in states)
+        ray.get([a.shutdown.remote() for a in actors])
+    finally:
+        scheme.shutdown()
+
+
 def test_no_object_store_growth_over_1000_sends(cluster) -> None:
     """1,000 sends of a 1 MiB model to two actors: every version leaves the object store once no
     worker holds it, so the store holds as much after as after the first few sends."""

@@ -62,6 +62,7 @@ def test_two_node_cluster(two_hosts) -> None:
     print(json.dumps(result, indent=1))
     assert result["trainer_node"] not in result["worker_nodes"], "the rollout actors must run on the other node"
     assert result["connected"] == [0, 0]
+    assert result["direct_acks"] == [True, True] and result["links"] == 2, "acks must cross the link directly"
     for sent in result["versions"]:
         for w in sent["workers"]:
             assert w == {"version": sent["v"], "digest": sent["digest"]}, sent
