@@ -110,9 +110,9 @@ def _ray_failed(what: str, exc: BaseException) -> TransportError:
 
 
 class _MailboxFailed:
-    """The events pump's Ray call failed: ``poll`` raises it."""
+    """The events pump failed (a Ray call, or Ray shut down under it): ``poll`` raises it."""
 
-    def __init__(self, exc: RayError) -> None:
+    def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
 
@@ -134,6 +134,12 @@ class _EventPump:
             self.thread.join(timeout=5.0)
 
     def _run(self) -> None:
+        try:
+            self._pump()
+        except Exception as exc:  # whatever ends the thread reaches the sender's next poll, not a log
+            self.inbox.put(_MailboxFailed(exc))
+
+    def _pump(self) -> None:
         pending: list[tuple[int, Any]] = []  # (event awaited, ref)
         seen = -1  # the number of the last event handed on
         while not self.stopped.is_set():
@@ -147,11 +153,7 @@ class _EventPump:
                 continue
             done = ray.wait(refs, num_returns=len(refs), timeout=0)[0] or done
             pending = [(n, r) for n, r in pending if r not in done]
-            try:
-                replies = ray.get(done)
-            except RayError as exc:
-                self.inbox.put(_MailboxFailed(exc))
-                return
+            replies = ray.get(done)
             numbered = sorted({item[0]: item[1] for reply in replies if isinstance(reply, list) for item in reply
                                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
                                and item[0] > seen}.items())
@@ -200,6 +202,7 @@ class RaySender(SenderEndpoint):
         self.early: list[AckFrame] = []  # direct acks of tokens not yet joined
         self.links: set[str] = set()  # tokens with a direct-ack connection open
         self.leaving: dict[str, tuple[Left, float]] = {}  # token -> its Left, held until its connection ends
+        self.failed: _MailboxFailed | None = None
         self.posts: list[Any] = []
         self.woken = threading.Event()
 
@@ -261,6 +264,8 @@ class RaySender(SenderEndpoint):
 
     def poll(self, deadline: Deadline) -> list[Event]:
         self._check_posts()
+        if self.failed is not None:
+            return self._handle(self.failed)
         events = self._due()
         while not events and not self.woken.is_set():
             try:
@@ -283,6 +288,7 @@ class RaySender(SenderEndpoint):
     def _handle(self, item: Any) -> list[Event]:
         """The wsync events one inbox item makes (none, one, or a join with the acks that came before it)."""
         if isinstance(item, _MailboxFailed):
+            self.failed = item  # the pump has stopped: every later poll says so too
             raise _ray_failed(f"the mailbox actor {self.channel!r} failed", item.exc) from item.exc
         if isinstance(item, Hello):
             self.links.add(item.token)
