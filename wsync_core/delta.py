@@ -22,13 +22,16 @@ places than its indices would save is marked changed as a whole).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import native
 from .errors import TransportError
 from .layout import ALIGN, DTYPES, Entry, Layout
 
@@ -291,20 +294,25 @@ class _Scratch:
     would cost its page faults every time)."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._bufs: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
-    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._bufs.get((dtype, device))
+    def get(self, n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+        """``n`` elements of reused memory; each ``slot`` its own (for threads working at once)."""
+        buf = self._bufs.get((dtype, device, slot))
         if buf is None or buf.numel() < n:
-            buf = self._bufs[(dtype, device)] = torch.empty(max(n, 1), dtype=dtype, device=device)
+            buf = self._bufs[(dtype, device, slot)] = torch.empty(max(n, 1), dtype=dtype, device=device)
         return buf[:n]
 
 
 def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor | None:
     """Copy into ``mirror`` the elements of ``source`` (cast to its dtype) whose bits differ;
-    their ascending indices (int64). Works in steps of ``_CHUNK_BYTES`` of the mirror, so that
-    each step's temporaries (the mask, the changed words) stay in the cache."""
+    their ascending indices (int64). With the native kernel (``native``) in one pass over both;
+    else with torch ops, in steps of ``_CHUNK_BYTES`` of the mirror, so that each step's
+    temporaries (the mask, the changed words) stay in the cache."""
     scratch = scratch or _Scratch()
+    if mirror.device.type == "cpu" and mirror.element_size() < 16 and _words(mirror) is not None \
+            and native.available():
+        return _update_native(mirror, source, scratch)
     step = max(8, _CHUNK_BYTES // mirror.element_size())
     found = []
     for a in range(0, mirror.numel(), step):
@@ -317,6 +325,57 @@ def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None
     if not found:
         return None
     return found[0] if len(found) == 1 else torch.cat(found)
+
+
+def _update_native(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch) -> torch.Tensor | None:
+    """``_update`` by the native kernel: the mirror split into as many parts as torch has
+    threads, compared at once (a source in another dtype, or not viewable as words, is cast into
+    scratch a step at a time first)."""
+    ratio = 8 // mirror.element_size()
+    words = mirror.numel() // ratio
+    direct = source.dtype == mirror.dtype and _words(source) is not None
+    step = words if direct else max(1, _CHUNK_BYTES // 8)
+    parts = max(1, min(torch.get_num_threads(), _MAX_PARTS)) if words * 8 >= _PARALLEL_BYTES else 1
+    found: list[torch.Tensor] = []
+    for a in range(0, words, step):
+        b = min(words, a + step)
+        src = source[a * ratio:b * ratio]
+        if not direct:
+            src = scratch.get(src.numel(), mirror.dtype, mirror.device).copy_(src)
+        cuts = [a + (b - a) * i // parts for i in range(parts + 1)]
+        jobs = [(cuts[i], cuts[i + 1], i) for i in range(parts) if cuts[i + 1] > cuts[i]]
+
+        def run(job: tuple[int, int, int], a: int = a, src: torch.Tensor = src) -> list[torch.Tensor]:
+            lo, hi, slot = job
+            out = scratch.get(_NATIVE_OUT, torch.int64, mirror.device, slot)
+            return native.diff_words(mirror[lo * ratio:hi * ratio], src[(lo - a) * ratio:(hi - a) * ratio], out,
+                                     lo * ratio)
+
+        later = [_diff_pool().submit(run, job) for job in jobs[1:]]
+        found += run(jobs[0])
+        for f in later:
+            found += f.result()
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else torch.cat(found)
+
+
+#: the most parts a native comparison is split into, and the least bytes per mirror to split at all
+_MAX_PARTS = 8
+_PARALLEL_BYTES = 1 << 20
+#: int64 indices a native comparison writes between two collections (per part)
+_NATIVE_OUT = 1 << 20
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _diff_pool() -> ThreadPoolExecutor:
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(max_workers=_MAX_PARTS - 1, thread_name_prefix="wsync-diff"))
+    return _pool[0]
+
+
+# a forked child has none of the pool's threads: it starts a pool of its own when it needs one
+os.register_at_fork(after_in_child=_pool.clear)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,125 @@
+"""The native delta kernel gives the torch path's answer bit for bit: the same changed indices,
+the same mirror afterwards, for every element width, split across threads or not, after a fork
+too; and it can be switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsync_core import delta, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path is all there is")
+
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.bfloat16, torch.float16, torch.int32,
+           torch.float32, torch.int64, torch.float64]
+
+
+def _random_bits(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """``n`` elements of ``dtype`` with arbitrary bit patterns (NaN payloads, -0.0, subnormals)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype)
+
+
+def _both(mirror: torch.Tensor, source: torch.Tensor):
+    """(indices, mirror after) from the native path and from the torch path."""
+    m_native, m_torch = mirror.clone(), mirror.clone()
+    got = delta._update(m_native, source)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "available", lambda: False)
+        want = delta._update(m_torch, source)
+    return (got, m_native), (want, m_torch)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), words=st.integers(1, 3000), density=st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]),
+       seed=st.integers(0, 2**31 - 1), cast=st.booleans())
+def test_native_matches_torch(dtype: torch.dtype, words: int, density: float,
+                              seed: int, cast: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dtype).element_size()
+    n = words * (8 // size)
+    mirror = _random_bits(n, dtype, gen)
+    source = mirror.clone()
+    changed = torch.rand(n, generator=gen) < density
+    source[changed] = _random_bits(int(changed.sum()), dtype, gen)
+    if cast and dtype.is_floating_point and dtype != torch.float64:
+        source = source.to(torch.float64)  # a wire dtype: cast into scratch step by step first
+    (got, m_native), (want, m_torch) = _both(mirror, source)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert _bits_equal(m_native, m_torch)
+
+
+def test_native_parts_and_a_full_output_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 32 MiB mirror split across threads, with more changes than the output buffer holds at
+    once, and a source that is a misaligned view (copied into scratch first)."""
+    gen = torch.Generator().manual_seed(7)
+    n = 16 << 20  # bfloat16: 32 MiB
+    mirror = _random_bits(n, torch.bfloat16, gen)
+    source = mirror.clone()
+    idx = torch.randperm(n, generator=gen)[: n // 5]  # more than one output buffer's worth per part
+    source[idx] = _random_bits(idx.numel(), torch.bfloat16, gen)
+    monkeypatch.setattr(delta, "_NATIVE_OUT", 4096)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        (got, m_native), (want, m_torch) = _both(mirror, source)
+        assert torch.equal(got, want) and _bits_equal(m_native, m_torch)
+        padded = torch.cat([torch.zeros(1, dtype=torch.bfloat16), source])[1:]  # 2 bytes past an 8-byte boundary
+        assert delta._words(padded) is None
+        (got, m_native), (want, m_torch) = _both(mirror, padded)
+        assert torch.equal(got, want) and _bits_equal(m_native, m_torch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_diff_words_resumes_after_a_full_buffer() -> None:
+    mirror = torch.zeros(64, dtype=torch.int16)
+    source = torch.arange(1, 65, dtype=torch.int16)  # every element differs
+    pieces = native.diff_words(mirror, source, torch.empty(8, dtype=torch.int64), base=100)
+    assert len(pieces) == 8
+    assert torch.equal(torch.cat(pieces), torch.arange(100, 164))
+    assert torch.equal(mirror, source)
+
+
+def test_a_forked_child_starts_a_pool_of_its_own() -> None:
+    """The parent's diff threads do not exist in a forked child: it forgets their pool (a submit
+    to it would wait forever) and makes a new one when it needs one."""
+    n = 4 << 20
+    mirror = torch.zeros(n, dtype=torch.bfloat16)
+    source = mirror.clone()
+    source[::100] = 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert delta._update(mirror.clone(), source) is not None
+    finally:
+        torch.set_num_threads(threads)
+    assert delta._pool, "a 8 MiB diff on 2 threads uses the pool"
+    pid = os.fork()
+    if pid == 0:  # no torch op here: torch's own OpenMP threads are not fork-safe either
+        os._exit(0 if not delta._pool else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_switched_off_by_the_environment() -> None:
+    code = "from wsync_core import native; print(native.available())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WSYNC_NATIVE": "0"}, capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
