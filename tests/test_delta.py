@@ -222,7 +222,8 @@ def test_flatten_of_sender_is_untouched() -> None:
 
 
 def test_costs_probe_then_choose() -> None:
-    """A slow-enough delta, then one probe, then full only when 1.2x the probe beats every delta."""
+    """A slow-enough delta, then a probe, then full once 1.2x a probe beats every delta; a losing
+    probe is repeated, up to three."""
     from wsync_core.delta import Costs
 
     assert Costs(1 << 20).next_send() == "delta"
@@ -232,14 +233,26 @@ def test_costs_probe_then_choose() -> None:
     fast = Costs(1 << 30)
     fast.record("delta", 0.010, 0.001)
     assert fast.next_send() == "delta"  # a comparison under 5 ms is never replaced
-    for probe_s, expected in ((0.010, "full"), (0.070, "delta")):
+    for probe_s, expected in ((0.010, "full"), (0.070, "probe")):
         c = Costs(1 << 30)
         assert c.next_send() == "delta"
         c.record("delta", 0.080, 0.060)
         assert c.next_send() == "probe"
         assert c.next_send() == "delta"  # the probe's ack is not in yet
         c.record("probe", probe_s, 0.0)
-        assert c.next_send() == expected
+        assert c.next_send() == expected  # a losing probe is tried again
+    slow_once = Costs(1 << 30)  # one probe slowed by a busy moment does not decide
+    slow_once.record("delta", 0.080, 0.060)
+    for probe_s in (0.070, 0.010):
+        assert slow_once.next_send() == "probe"
+        slow_once.record("probe", probe_s, 0.0)
+    assert slow_once.next_send() == "full"
+    losing = Costs(1 << 30)  # deltas go on for good after three losing probes
+    losing.record("delta", 0.080, 0.060)
+    for _ in range(3):
+        assert losing.next_send() == "probe"
+        losing.record("probe", 0.070, 0.0)
+    assert [losing.next_send() for _ in range(3)] == ["delta"] * 3
 
 
 @pytest.mark.parametrize("margin,full_after", [(0.0, True), (1e9, False)])
@@ -260,7 +273,8 @@ def test_full_when_cheaper_stays_exact(cluster, monkeypatch, margin, full_after)
         report = c.sender.last_report
         kinds.append("delta" if report.delta_workers else "full")
         assert all(same(r.model, weights) for r in c.receivers)
-    assert kinds == ["delta", "full"] + (["full"] * 3 if full_after else ["delta"] * 3)
+    # the probe (full) wins at once, or loses three times (three full sends) before deltas go on
+    assert kinds == ["delta", "full"] + (["full"] * 3 if full_after else ["full", "full", "delta"])
     assert (c.sender._role.mirror is None) == full_after
     scramble(weights, 50, 1.0)
     c.sender.send(keys=["matrix"])

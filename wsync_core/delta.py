@@ -248,14 +248,16 @@ class Costs:
     timed, or their comparison (``diff_s``) stayed under ``_PROBE_DIFF_S``; then one send goes full
     without a diff (the probe: the mirror is reset to the new version and copied out, so it stays
     the base of later deltas); afterwards every send goes full without a diff (the sender drops
-    the mirror) when ``_MARGIN`` times the probe's time is below the fastest delta's, else deltas
-    go on. On shared memory a full send is one copy while the comparison alone reads the model
+    the mirror) when ``_MARGIN`` times the fastest probe's time is below the fastest delta's;
+    else another probe follows, up to ``_PROBES`` (a busy moment can slow one full send, rarely
+    several), and then deltas go on. On shared memory a full send is one copy while the comparison alone reads the model
     twice, so there the full send wins."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes  # a full payload's
         self.delta: deque[tuple[float, float]] = deque(maxlen=8)  # (total_s, diff_s)
         self.full: float | None = None
+        self.probes = 0  # probes timed
         self.probing = False
 
     def record(self, kind: str, total_s: float, diff_s: float) -> None:
@@ -264,6 +266,7 @@ class Costs:
             self.delta.append((total_s, diff_s))
         elif kind == "probe":
             self.full = total_s if self.full is None else min(self.full, total_s)
+            self.probes += 1
             self.probing = False
 
     def next_send(self) -> str:
@@ -275,7 +278,12 @@ class Costs:
                 return "delta"
             self.probing = True
             return "probe"
-        return "full" if self.full * _MARGIN < min(t for t, _ in self.delta) else "delta"
+        if self.full * _MARGIN < min(t for t, _ in self.delta):
+            return "full"
+        if self.probes < _PROBES:
+            self.probing = True
+            return "probe"
+        return "delta"
 
 
 #: deltas timed before the probe
@@ -285,8 +293,10 @@ _SAMPLES_BEFORE_PROBE = 1
 _PROBE_MIN_BYTES = 16 << 20
 #: a comparison faster than this (seconds) is never replaced by full sends
 _PROBE_DIFF_S = 0.005
-#: full sends replace deltas when this many times the probe's time is below the fastest delta's
+#: full sends replace deltas when this many times the fastest probe's time is below the fastest delta's
 _MARGIN = 1.2
+#: the most probes timed before deltas go on for good
+_PROBES = 3
 
 
 class _Scratch:
