@@ -123,3 +123,27 @@ def test_switched_off_by_the_environment() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WSYNC_NATIVE": "0"}, capture_output=True,
                          text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), n=st.integers(1, 5000), k=st.integers(1, 400), seed=st.integers(0, 2**31 - 1))
+def test_gather_and_scatter_match_torch(dtype: torch.dtype, n: int, k: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    source = _random_bits(n, dtype, gen)
+    index = torch.unique(torch.randint(0, n, (k,), generator=gen)).to(torch.int32)
+    out = torch.empty(index.numel(), dtype=dtype)
+    native.gather(source, index, out)
+    assert _bits_equal(out, delta._bits(source).index_select(0, index.to(torch.int64)).view(dtype))
+    target, want = _random_bits(n, dtype, gen), None
+    want = target.clone()
+    delta._bits(want).index_copy_(0, index.to(torch.int64), delta._bits(out))
+    native.scatter(target, index, out)
+    assert _bits_equal(target, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=50), limit=st.integers(0, 2**31))
+def test_ascending_matches_the_rule(values: list[int], limit: int) -> None:
+    index = torch.tensor(values, dtype=torch.int32)
+    want = all(0 <= v < limit for v in values) and all(a < b for a, b in zip(values, values[1:]))
+    assert native.ascending(index, limit) == want

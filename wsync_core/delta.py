@@ -220,7 +220,10 @@ class Mirror:
                     vals_at = offset + _align(count * _INDEX_BYTES)
                     buffer[offset:offset + count * _INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
-                    _bits(dst).copy_(_bits(flat).index_select(0, idx.to(torch.int64)))
+                    if idx.dtype == torch.int32 and native.usable(flat, dst, idx):
+                        native.gather(flat, idx, dst)
+                    else:
+                        _bits(dst).copy_(_bits(flat).index_select(0, idx.to(torch.int64)))
                 table.append([i, count, offset])
                 offset += size
         return Encoded(table, _align(offset) if offset else 0)
@@ -478,16 +481,21 @@ def decode_table(table: Any, layout: Layout, wire: Layout, nbytes: int, where: s
 
 
 def check_indices(ops: Sequence[Op], payload: torch.Tensor, where: str) -> list[torch.Tensor | None]:
-    """Each sparse section's indices (int64), checked strictly ascending and inside its tensor;
-    None for a whole section. Raises TransportError for any index out of place."""
+    """Each sparse section's indices (int32, a view of the payload), checked strictly ascending
+    and inside its tensor; None for a whole section. Raises TransportError for any index out of place."""
     out: list[torch.Tensor | None] = []
     for op in ops:
         if op.count < 0:
             out.append(None)
             continue
-        idx = payload[op.offset:op.offset + op.count * _INDEX_BYTES].view(torch.int32).to(torch.int64)
+        idx = payload[op.offset:op.offset + op.count * _INDEX_BYTES].view(torch.int32)
         numel = _numel(op.entry)
-        if int(idx[0]) < 0 or int(idx[-1]) >= numel or (op.count > 1 and not bool((idx[1:] > idx[:-1]).all())):
+        if native.usable(idx):
+            ok = native.ascending(idx, numel)
+        else:
+            wide = idx.to(torch.int64)
+            ok = int(wide[0]) >= 0 and int(wide[-1]) < numel and (op.count == 1 or bool((wide[1:] > wide[:-1]).all()))
+        if not ok:
             raise TransportError(f"{where}: the indices for tensor {op.entry.key!r} are out of range or not "
                                  f"strictly ascending (damaged payload)")
         out.append(idx)
@@ -514,11 +522,13 @@ def apply_ops(ops: Sequence[Op], indices: Sequence[torch.Tensor | None], payload
                 vals, idx = vals.to(t.device), idx.to(t.device)
             if dtype != t.dtype:
                 vals = vals.to(t.dtype)
-            if t.is_contiguous():
-                _bits(t.view(-1)).index_copy_(0, idx, _bits(vals))
+            if t.is_contiguous() and t.numel() == _numel(op.entry) and native.usable(t, vals, idx):
+                native.scatter(t.view(-1), idx, vals)  # the bits as they are, like index_copy_ below
+            elif t.is_contiguous():
+                _bits(t.view(-1)).index_copy_(0, idx.to(torch.int64), _bits(vals))
             else:  # write through a contiguous copy, in the same (row-major) order as the sender's
                 flat = t.reshape(-1).clone()
-                _bits(flat).index_copy_(0, idx, _bits(vals))
+                _bits(flat).index_copy_(0, idx.to(torch.int64), _bits(vals))
                 t.copy_(flat.view(t.shape))
 
 

@@ -1,5 +1,7 @@
-"""One small C kernel for the sender's delta comparison, compiled on first use where a C compiler
-is found, with torch ops as the fallback everywhere else.
+"""Small C kernels for deltas, compiled on first use where a C compiler is found, with torch ops
+as the fallback everywhere else: the sender's comparison (``diff_words``), its gather of the
+changed values (``gather``), and a receiver's check of the indices (``ascending``) and its
+write of the values (``scatter``).
 
 Comparing the model with the sender's mirror and picking out the changed elements takes torch
 about six passes (compare, ``nonzero``, two gathers, a scatter, the elements inside the changed
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["kernel", "diff_words", "available"]
+__all__ = ["kernel", "available", "usable", "diff_words", "gather", "ascending", "scatter"]
 
 log = logging.getLogger("wsync.native")
 
@@ -62,6 +64,40 @@ int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t 
     }
     *done = i;
     return k;
+}
+
+/* The loads and stores of the three below go through memcpy: a payload received from another
+   process need not be aligned for its element type (compilers make these plain moves). */
+#include <string.h>
+
+/* one loop per element size, so that each memcpy has a constant size and becomes one move */
+#define WSYNC_EACH_SIZE(LOOP) switch (size) { case 1: LOOP(1); break; case 2: LOOP(2); break; \
+    case 4: LOOP(4); break; case 8: LOOP(8); break; default: break; }
+
+/* out[i] = src[idx[i]], n elements of `size` bytes (1, 2, 4 or 8). */
+void wsync_gather(const char *src, const char *idx, int64_t n, int64_t size, char *out) {
+#define GATHER(S) for (int64_t i = 0; i < n; i++) { int32_t j; memcpy(&j, idx + 4 * i, 4); \
+        memcpy(out + (S) * i, src + (S) * (int64_t)j, (S)); }
+    WSYNC_EACH_SIZE(GATHER)
+}
+
+/* 1 if the n int32 at idx are strictly ascending and inside [0, limit), else 0. */
+int64_t wsync_ascending(const char *idx, int64_t n, int64_t limit) {
+    int64_t last = -1;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t j;
+        memcpy(&j, idx + 4 * i, 4);
+        if ((int64_t)j <= last || (int64_t)j >= limit) return 0;
+        last = j;
+    }
+    return 1;
+}
+
+/* dst[idx[i]] = vals[i], n elements of `size` bytes; the indices checked by wsync_ascending. */
+void wsync_scatter(char *dst, const char *idx, int64_t n, int64_t size, const char *vals) {
+#define SCATTER(S) for (int64_t i = 0; i < n; i++) { int32_t j; memcpy(&j, idx + 4 * i, 4); \
+        memcpy(dst + (S) * (int64_t)j, vals + (S) * i, (S)); }
+    WSYNC_EACH_SIZE(SCATTER)
 }
 """
 
@@ -108,6 +144,12 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    for name in ("wsync_gather", "wsync_scatter"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.wsync_ascending.restype = ctypes.c_int64
+    lib.wsync_ascending.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -131,9 +173,7 @@ def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, ba
     ``base`` (int64, ascending) of the elements that differed, in pieces, each a fresh tensor.
     ``out`` is int64 scratch space for at least 8 elements. Raises RuntimeError where the kernel
     is not available (check ``available()`` first)."""
-    lib = kernel()
-    if lib is None:
-        raise RuntimeError("the native delta kernel is not available")
+    lib = _need()
     size = mirror.element_size()
     m = mirror.view(torch.int64)
     s = source.view(torch.int64)
@@ -152,3 +192,46 @@ def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, ba
             pieces.append(piece)
         at += done.value
     return pieces
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.element_size() in (1, 2, 4, 8)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can work on ``tensors`` (CPU, contiguous, elements of 1-8 bytes) here."""
+    return all(_plain(t) for t in tensors) and available()
+
+
+def gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = source.view(-1)[index[i]]`` for int32 ``index`` (in range: the caller's own);
+    ``out`` has ``source``'s dtype and ``index``'s length. Raises RuntimeError where the kernel
+    is not available."""
+    lib = _need()
+    n = index.numel()
+    if out.numel() != n or out.dtype != source.dtype or index.dtype != torch.int32:
+        raise ValueError("gather: out must have source's dtype and index's length, index int32")
+    lib.wsync_gather(source.data_ptr(), index.data_ptr(), n, source.element_size(), out.data_ptr())
+
+
+def ascending(index: torch.Tensor, limit: int) -> bool:
+    """Whether int32 ``index`` is strictly ascending and inside ``[0, limit)``."""
+    if index.dtype != torch.int32 or not index.is_contiguous():
+        raise ValueError("ascending: index must be contiguous int32")
+    return bool(_need().wsync_ascending(index.data_ptr(), index.numel(), limit))
+
+
+def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``target.view(-1)[index[i]] = values[i]`` for int32 ``index`` that ``ascending`` accepted
+    for ``target``'s size; ``values`` in ``target``'s dtype."""
+    n = index.numel()
+    if values.numel() != n or values.dtype != target.dtype or index.dtype != torch.int32:
+        raise ValueError("scatter: values must have target's dtype and index's length, index int32")
+    _need().wsync_scatter(target.data_ptr(), index.data_ptr(), n, target.element_size(), values.data_ptr())
+
+
+def _need() -> ctypes.CDLL:
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError("the native delta kernels are not available")
+    return lib
