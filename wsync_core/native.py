@@ -44,20 +44,31 @@ _SOURCE = r"""
    returns the elements written and sets *done to the words consumed. */
 int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t size,
                          int64_t *out, int64_t cap, int64_t *done) {
-    const int64_t ratio = 8 / size;
-    const uint64_t lane = size == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (size * 8)) - 1);
+    const int64_t ratio = 8 / size, bits = size * 8;
+    const uint64_t lane = size == 8 ? ~(uint64_t)0 : (((uint64_t)1 << bits) - 1);
     int64_t k = 0, i = 0;
     while (i < n) {
-        if (i + 8 <= n) {  /* eight equal words at a time: the common case */
+        if (i + 8 <= n) {  /* eight words at a time: most are equal */
             uint64_t any = 0;
             for (int j = 0; j < 8; j++) any |= src[i + j] ^ mir[i + j];
             if (!any) { i += 8; continue; }
+        }
+        if (i + 8 <= n && k + 8 * ratio <= cap) {
+            for (int w = 0; w < 8; w++, i++) {  /* without branches: every lane written, kept if it differs */
+                uint64_t x = src[i] ^ mir[i];
+                mir[i] = src[i];
+                for (int64_t j = 0; j < ratio; j++) {
+                    out[k] = i * ratio + j;
+                    k += ((x >> (j * bits)) & lane) != 0;
+                }
+            }
+            continue;
         }
         uint64_t x = src[i] ^ mir[i];
         if (x) {
             if (k + ratio > cap) break;
             for (int64_t j = 0; j < ratio; j++)
-                if ((x >> (j * size * 8)) & lane) out[k++] = i * ratio + j;
+                if ((x >> (j * bits)) & lane) out[k++] = i * ratio + j;
             mir[i] = src[i];
         }
         i++;
