@@ -61,7 +61,9 @@ def test_native_matches_torch(dtype: torch.dtype, words: int, density: float,
     (got, m_native), (want, m_torch) = _both(mirror, source)
     assert (got is None) == (want is None)
     if got is not None:
-        assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert want[1] is None  # torch ops give no values
+        assert got[0].dtype == torch.int64 and torch.equal(got[0], want[0])
+        assert _bits_equal(got[1], m_torch.view(-1)[got[0]])  # the new values, in the indices' order
     assert _bits_equal(m_native, m_torch)
 
 
@@ -79,11 +81,12 @@ def test_native_parts_and_a_full_output_buffer(monkeypatch: pytest.MonkeyPatch) 
     torch.set_num_threads(4)
     try:
         (got, m_native), (want, m_torch) = _both(mirror, source)
-        assert torch.equal(got, want) and _bits_equal(m_native, m_torch)
+        assert torch.equal(got[0], want[0]) and _bits_equal(m_native, m_torch)
+        assert _bits_equal(got[1], source[got[0]])
         padded = torch.cat([torch.zeros(1, dtype=torch.bfloat16), source])[1:]  # 2 bytes past an 8-byte boundary
         assert delta._words(padded) is None
         (got, m_native), (want, m_torch) = _both(mirror, padded)
-        assert torch.equal(got, want) and _bits_equal(m_native, m_torch)
+        assert torch.equal(got[0], want[0]) and _bits_equal(m_native, m_torch)
     finally:
         torch.set_num_threads(threads)
 
@@ -91,9 +94,11 @@ def test_native_parts_and_a_full_output_buffer(monkeypatch: pytest.MonkeyPatch) 
 def test_diff_words_resumes_after_a_full_buffer() -> None:
     mirror = torch.zeros(64, dtype=torch.int16)
     source = torch.arange(1, 65, dtype=torch.int16)  # every element differs
-    pieces = native.diff_words(mirror, source, torch.empty(8, dtype=torch.int64), base=100)
+    pieces = native.diff_words(mirror, source, torch.empty(8, dtype=torch.int64), torch.empty(8, dtype=torch.int16),
+                               base=100)
     assert len(pieces) == 8
-    assert torch.equal(torch.cat(pieces), torch.arange(100, 164))
+    assert torch.equal(torch.cat([i for i, _ in pieces]), torch.arange(100, 164))
+    assert torch.equal(torch.cat([v for _, v in pieces]), source)
     assert torch.equal(mirror, source)
 
 

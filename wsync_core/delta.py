@@ -128,6 +128,9 @@ class Mirror:
         self._scratch = _Scratch()
         #: version -> {entry index: ascending int32 indices, or None: changed as a whole}
         self.changes: OrderedDict[int, dict[int, torch.Tensor | None]] = OrderedDict()
+        #: the newest version's changed values, where the native comparison gave them (entry index ->
+        #: values in the order of its indices in ``changes``): ``encode`` copies them instead of gathering
+        self.values: dict[int, torch.Tensor] = {}
 
     # -- bringing it up to date ---------------------------------------------------------------
     def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -137,6 +140,7 @@ class Mirror:
                 if e.nbytes:
                     flat.copy_(tensors[e.key].reshape(-1))
         self.changes.clear()
+        self.values = {}
         self.version = version
 
     def update(self, tensors: Mapping[str, torch.Tensor], version: int, keys: Sequence[str] | None) -> int:
@@ -144,19 +148,24 @@ class Mirror:
         others keep their values) compared bit for bit after the cast; remembers which elements
         changed. Returns how many elements changed."""
         changed: dict[int, torch.Tensor | None] = {}
+        values: dict[int, torch.Tensor] = {}
         total = 0
         wanted = None if keys is None else set(keys)
         with torch.no_grad():
             for i, (e, flat) in enumerate(zip(self.wire.entries, self.flat)):
                 if not e.nbytes or wanted is not None and e.key not in wanted:
                     continue
-                idx = _update(flat, tensors[e.key].reshape(-1), self._scratch)
-                if idx is None or not idx.numel():
+                found = _update(flat, tensors[e.key].reshape(-1), self._scratch)
+                if found is None or not found[0].numel():
                     continue
+                idx, vals = found
                 total += idx.numel()
                 sparse = idx.numel() * (_INDEX_BYTES + flat.element_size()) < e.nbytes * _WHOLE_SHARE
                 changed[i] = idx.to(torch.int32) if sparse and flat.numel() < 1 << 31 else None
+                if changed[i] is not None and vals is not None:
+                    values[i] = vals
         self.changes[version] = changed
+        self.values = values
         while len(self.changes) > self.keep:
             self.changes.popitem(last=False)
         self.version = version
@@ -220,7 +229,10 @@ class Mirror:
                     vals_at = offset + _align(count * _INDEX_BYTES)
                     buffer[offset:offset + count * _INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
-                    if idx.dtype == torch.int32 and native.usable(flat, dst, idx):
+                    newest = self.changes.get(self.version, {})
+                    if i in self.values and newest.get(i) is idx:  # the newest version's own: values at hand
+                        _bits(dst).copy_(_bits(self.values[i]))
+                    elif idx.dtype == torch.int32 and native.usable(flat, dst, idx):
                         native.gather(flat, idx, dst)
                     else:
                         _bits(dst).copy_(_bits(flat).index_select(0, idx.to(torch.int64)))
@@ -233,6 +245,7 @@ class Mirror:
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
         self.flat = []
         self.changes.clear()
+        self.values = {}
         self._scratch = _Scratch()
         self.version = -1
 
@@ -307,21 +320,23 @@ class _Scratch:
     would cost its page faults every time)."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._bufs: dict[tuple[torch.dtype, torch.device, str], torch.Tensor] = {}
 
-    def get(self, n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
-        """``n`` elements of reused memory; each ``slot`` its own (for threads working at once)."""
+    def get(self, n: int, dtype: torch.dtype, device: torch.device, slot: str = "") -> torch.Tensor:
+        """``n`` elements of reused memory; each ``slot`` its own (for uses alive at once)."""
         buf = self._bufs.get((dtype, device, slot))
         if buf is None or buf.numel() < n:
             buf = self._bufs[(dtype, device, slot)] = torch.empty(max(n, 1), dtype=dtype, device=device)
         return buf[:n]
 
 
-def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor | None:
+def _update(mirror: torch.Tensor, source: torch.Tensor,
+            scratch: _Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Copy into ``mirror`` the elements of ``source`` (cast to its dtype) whose bits differ;
-    their ascending indices (int64). With the native kernel (``native``) in one pass over both;
-    else with torch ops, in steps of ``_CHUNK_BYTES`` of the mirror, so that each step's
-    temporaries (the mask, the changed words) stay in the cache."""
+    their ascending indices (int64) and, where the native kernel (``native``) did it in one pass
+    over both, their new values (else None: torch ops, in steps of ``_CHUNK_BYTES`` of the
+    mirror, so that each step's temporaries (the mask, the changed words) stay in the cache);
+    None if nothing differed."""
     scratch = scratch or _Scratch()
     if mirror.device.type == "cpu" and mirror.element_size() < 16 and _words(mirror) is not None \
             and native.available():
@@ -337,13 +352,14 @@ def _update(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch | None
             found.append(idx.add_(a) if a else idx)
     if not found:
         return None
-    return found[0] if len(found) == 1 else torch.cat(found)
+    return (found[0] if len(found) == 1 else torch.cat(found)), None
 
 
-def _update_native(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch) -> torch.Tensor | None:
-    """``_update`` by the native kernel: the mirror split into as many parts as torch has
-    threads, compared at once (a source in another dtype, or not viewable as words, is cast into
-    scratch a step at a time first)."""
+def _update_native(mirror: torch.Tensor, source: torch.Tensor,
+                   scratch: _Scratch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``_update`` by the native kernel, which also gives the changed elements' new values: the
+    mirror split into as many parts as torch has threads, compared at once (a source in another
+    dtype, or not viewable as words, is cast into scratch a step at a time first)."""
     ratio = 8 // mirror.element_size()
     words = mirror.numel() // ratio
     direct = source.dtype == mirror.dtype and _words(source) is not None
@@ -358,11 +374,12 @@ def _update_native(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch
         cuts = [a + (b - a) * i // parts for i in range(parts + 1)]
         jobs = [(cuts[i], cuts[i + 1], i) for i in range(parts) if cuts[i + 1] > cuts[i]]
 
-        def run(job: tuple[int, int, int], a: int = a, src: torch.Tensor = src) -> list[torch.Tensor]:
+        def run(job: tuple[int, int, int], a: int = a, src: torch.Tensor = src) -> list[tuple[torch.Tensor, torch.Tensor]]:
             lo, hi, slot = job
-            out = scratch.get(_NATIVE_OUT, torch.int64, mirror.device, slot)
+            out = scratch.get(_NATIVE_OUT, torch.int64, mirror.device, f"indices {slot}")
+            values = scratch.get(_NATIVE_OUT, mirror.dtype, mirror.device, f"values {slot}")
             return native.diff_words(mirror[lo * ratio:hi * ratio], src[(lo - a) * ratio:(hi - a) * ratio], out,
-                                     lo * ratio)
+                                     values, lo * ratio)
 
         later = [_diff_pool().submit(run, job) for job in jobs[1:]]
         found += run(jobs[0])
@@ -370,7 +387,9 @@ def _update_native(mirror: torch.Tensor, source: torch.Tensor, scratch: _Scratch
             found += f.result()
     if not found:
         return None
-    return found[0] if len(found) == 1 else torch.cat(found)
+    if len(found) == 1:
+        return found[0]
+    return torch.cat([i for i, _ in found]), torch.cat([v for _, v in found])
 
 
 #: the most parts a native comparison is split into, and the least bytes per mirror to split at all

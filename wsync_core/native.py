@@ -38,12 +38,15 @@ log = logging.getLogger("wsync.native")
 _SOURCE = r"""
 #include <stdint.h>
 
+#include <string.h>
+
 /* Compare n 8-byte words of src with mir. Each differing word is copied into mir, and the
    indices (counted from word 0, in elements of `size` bytes, little-endian lanes) of its
-   differing elements are written to out, ascending. Stops before out could overflow:
-   returns the elements written and sets *done to the words consumed. */
+   differing elements are written to out, ascending, and their new bits to vals (`size` bytes
+   each, as many as out). Stops before out could overflow: returns the elements written and
+   sets *done to the words consumed. */
 int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t size,
-                         int64_t *out, int64_t cap, int64_t *done) {
+                         int64_t *out, int64_t cap, int64_t *done, char *vals) {
     const int64_t ratio = 8 / size, bits = size * 8;
     const uint64_t lane = size == 8 ? ~(uint64_t)0 : (((uint64_t)1 << bits) - 1);
     int64_t k = 0, i = 0;
@@ -55,21 +58,27 @@ int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t 
         }
         if (i + 8 <= n && k + 8 * ratio <= cap) {
             for (int w = 0; w < 8; w++, i++) {  /* without branches: every lane written, kept if it differs */
-                uint64_t x = src[i] ^ mir[i];
-                mir[i] = src[i];
+                uint64_t v = src[i], x = v ^ mir[i];
+                mir[i] = v;
                 for (int64_t j = 0; j < ratio; j++) {
+                    uint64_t lv = v >> (j * bits);
                     out[k] = i * ratio + j;
+                    memcpy(vals + k * size, &lv, (size_t)size);
                     k += ((x >> (j * bits)) & lane) != 0;
                 }
             }
             continue;
         }
-        uint64_t x = src[i] ^ mir[i];
+        uint64_t v = src[i], x = v ^ mir[i];
         if (x) {
             if (k + ratio > cap) break;
             for (int64_t j = 0; j < ratio; j++)
-                if ((x >> (j * bits)) & lane) out[k++] = i * ratio + j;
-            mir[i] = src[i];
+                if ((x >> (j * bits)) & lane) {
+                    uint64_t lv = v >> (j * bits);
+                    memcpy(vals + k * size, &lv, (size_t)size);
+                    out[k++] = i * ratio + j;
+                }
+            mir[i] = v;
         }
         i++;
     }
@@ -79,7 +88,6 @@ int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t 
 
 /* The loads and stores of the three below go through memcpy: a payload received from another
    process need not be aligned for its element type (compilers make these plain moves). */
-#include <string.h>
 
 /* one loop per element size, so that each memcpy has a constant size and becomes one move */
 #define WSYNC_EACH_SIZE(LOOP) switch (size) { case 1: LOOP(1); break; case 2: LOOP(2); break; \
@@ -154,7 +162,7 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.wsync_diff_words
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+                   ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p]
     for name in ("wsync_gather", "wsync_scatter"):
         fn = getattr(lib, name)
         fn.restype = None
@@ -178,29 +186,33 @@ def available() -> bool:
     return kernel() is not None
 
 
-def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, base: int = 0) -> list[torch.Tensor]:
+def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, values: torch.Tensor,
+               base: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Update ``mirror`` (flat, CPU, contiguous, elements of 1, 2, 4 or 8 bytes, 8-byte aligned,
-    a whole number of 8-byte words) to ``source``'s bits (same dtype and shape); the indices plus
-    ``base`` (int64, ascending) of the elements that differed, in pieces, each a fresh tensor.
-    ``out`` is int64 scratch space for at least 8 elements. Raises RuntimeError where the kernel
-    is not available (check ``available()`` first)."""
+    a whole number of 8-byte words) to ``source``'s bits (same dtype and shape); in pieces, the
+    indices plus ``base`` (int64, ascending) of the elements that differed and their new values
+    (``mirror``'s dtype), each a fresh tensor. ``out`` (int64, at least 8 elements) and
+    ``values`` (``mirror``'s dtype, as long as ``out``) are scratch space. Raises RuntimeError
+    where the kernel is not available (check ``available()`` first)."""
     lib = _need()
     size = mirror.element_size()
+    if values.dtype != mirror.dtype or values.numel() < out.numel() or out.numel() < 8:
+        raise ValueError("diff_words: values must have mirror's dtype and out's length, out at least 8")
     m = mirror.view(torch.int64)
     s = source.view(torch.int64)
     n = m.numel()
     done = ctypes.c_int64(0)
-    pieces: list[torch.Tensor] = []
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
     at = 0
     step = 8 // size
     while at < n:
         k = lib.wsync_diff_words(s.data_ptr() + at * 8, m.data_ptr() + at * 8, n - at, size, out.data_ptr(),
-                                 out.numel(), ctypes.byref(done))
+                                 out.numel(), ctypes.byref(done), values.data_ptr())
         if k:
             piece = out[:k].clone()
             if at * step + base:
                 piece.add_(at * step + base)
-            pieces.append(piece)
+            pieces.append((piece, values[:k].clone()))
         at += done.value
     return pieces
 
