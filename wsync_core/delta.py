@@ -15,9 +15,10 @@ Three encodings share one mechanism, described by header fields the core writes 
 
 The sender keeps a ``Mirror``: its own copy of the newest version in wire form (one model's
 size in the wire dtype), updated by comparing values bit for bit (so -0.0 and NaN payloads
-count), and for each of the last ``keep`` versions the indices of the elements it changed
+count), for each of the last ``keep`` versions the indices of the elements it changed
 (4 bytes per changed element, at most about the model's size each: a tensor changed in more
-places than its indices would save is marked changed as a whole).
+places than its indices would save is marked changed as a whole) and, where the native
+comparison ran (``native``), the newest version's changed values (less than the model's size).
 """
 
 from __future__ import annotations

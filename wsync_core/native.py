@@ -40,6 +40,53 @@ _SOURCE = r"""
 
 #include <string.h>
 
+/* The comparison for elements of S bytes (a constant, so that each memcpy is one move). */
+#define WSYNC_DIFF(S) \
+static int64_t diff_##S(const uint64_t *src, uint64_t *mir, int64_t n, int64_t *out, int64_t cap, \
+                        int64_t *done, char *vals) { \
+    const int64_t ratio = 8 / (S), bits = (S) * 8; \
+    const uint64_t lane = (S) == 8 ? ~(uint64_t)0 : (((uint64_t)1 << ((S) * 8 % 64)) - 1); \
+    int64_t k = 0, i = 0; \
+    while (i < n) { \
+        if (i + 8 <= n) { /* eight words at a time: most are equal */ \
+            uint64_t any = 0; \
+            for (int j = 0; j < 8; j++) any |= src[i + j] ^ mir[i + j]; \
+            if (!any) { i += 8; continue; } \
+        } \
+        if (i + 8 <= n && k + 8 * ratio <= cap) { /* no branches: every lane written, kept if it differs */ \
+            for (int w = 0; w < 8; w++, i++) { \
+                uint64_t v = src[i], x = v ^ mir[i]; \
+                mir[i] = v; \
+                for (int64_t j = 0; j < ratio; j++) { \
+                    uint64_t lv = v >> (j * bits % 64); \
+                    out[k] = i * ratio + j; \
+                    memcpy(vals + k * (S), &lv, (S)); \
+                    k += ((x >> (j * bits % 64)) & lane) != 0; \
+                } \
+            } \
+            continue; \
+        } \
+        uint64_t v = src[i], x = v ^ mir[i]; \
+        if (x) { \
+            if (k + ratio > cap) break; \
+            for (int64_t j = 0; j < ratio; j++) \
+                if ((x >> (j * bits % 64)) & lane) { \
+                    uint64_t lv = v >> (j * bits % 64); \
+                    memcpy(vals + k * (S), &lv, (S)); \
+                    out[k++] = i * ratio + j; \
+                } \
+            mir[i] = v; \
+        } \
+        i++; \
+    } \
+    *done = i; \
+    return k; \
+}
+WSYNC_DIFF(1)
+WSYNC_DIFF(2)
+WSYNC_DIFF(4)
+WSYNC_DIFF(8)
+
 /* Compare n 8-byte words of src with mir. Each differing word is copied into mir, and the
    indices (counted from word 0, in elements of `size` bytes, little-endian lanes) of its
    differing elements are written to out, ascending, and their new bits to vals (`size` bytes
@@ -47,43 +94,13 @@ _SOURCE = r"""
    sets *done to the words consumed. */
 int64_t wsync_diff_words(const uint64_t *src, uint64_t *mir, int64_t n, int64_t size,
                          int64_t *out, int64_t cap, int64_t *done, char *vals) {
-    const int64_t ratio = 8 / size, bits = size * 8;
-    const uint64_t lane = size == 8 ? ~(uint64_t)0 : (((uint64_t)1 << bits) - 1);
-    int64_t k = 0, i = 0;
-    while (i < n) {
-        if (i + 8 <= n) {  /* eight words at a time: most are equal */
-            uint64_t any = 0;
-            for (int j = 0; j < 8; j++) any |= src[i + j] ^ mir[i + j];
-            if (!any) { i += 8; continue; }
-        }
-        if (i + 8 <= n && k + 8 * ratio <= cap) {
-            for (int w = 0; w < 8; w++, i++) {  /* without branches: every lane written, kept if it differs */
-                uint64_t v = src[i], x = v ^ mir[i];
-                mir[i] = v;
-                for (int64_t j = 0; j < ratio; j++) {
-                    uint64_t lv = v >> (j * bits);
-                    out[k] = i * ratio + j;
-                    memcpy(vals + k * size, &lv, (size_t)size);
-                    k += ((x >> (j * bits)) & lane) != 0;
-                }
-            }
-            continue;
-        }
-        uint64_t v = src[i], x = v ^ mir[i];
-        if (x) {
-            if (k + ratio > cap) break;
-            for (int64_t j = 0; j < ratio; j++)
-                if ((x >> (j * bits)) & lane) {
-                    uint64_t lv = v >> (j * bits);
-                    memcpy(vals + k * size, &lv, (size_t)size);
-                    out[k++] = i * ratio + j;
-                }
-            mir[i] = v;
-        }
-        i++;
+    switch (size) {
+    case 1: return diff_1(src, mir, n, out, cap, done, vals);
+    case 2: return diff_2(src, mir, n, out, cap, done, vals);
+    case 4: return diff_4(src, mir, n, out, cap, done, vals);
+    case 8: return diff_8(src, mir, n, out, cap, done, vals);
+    default: *done = n; return 0;
     }
-    *done = i;
-    return k;
 }
 
 /* The loads and stores of the three below go through memcpy: a payload received from another
