@@ -366,7 +366,7 @@ def _update_native(mirror: torch.Tensor, source: torch.Tensor,
     direct = source.dtype == mirror.dtype and _words(source) is not None
     step = words if direct else max(1, _CHUNK_BYTES // 8)
     parts = max(1, min(torch.get_num_threads(), _MAX_PARTS)) if words * 8 >= _PARALLEL_BYTES else 1
-    found: list[torch.Tensor] = []
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
     for a in range(0, words, step):
         b = min(words, a + step)
         src = source[a * ratio:b * ratio]
