@@ -121,3 +121,15 @@ def test_send_phases_splits_every_send_it_was_asked_for(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("shm, 1 workers, 2 MiB, 3 sends, p50 / p99 ms: send "), out.stdout
     assert "snapshot" in out.stdout and "publish to last ack" in out.stdout and "send x memcpy" in out.stdout
+
+
+def test_delta_pairs_runs_the_cases_in_the_order_asked(tmp_path) -> None:
+    """``benchmarks/delta_pairs.py`` times the cases it is given, in that order, and refuses unknown ones."""
+    script = Path(__file__).parents[1] / "delta_pairs.py"
+    out = subprocess.run([sys.executable, str(script), "--transport", "shm", "--cases", "delta,full,delta",
+                          "--size", "1MiB", "--repeat", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [w for w in out.stdout.split() if not w[0].isdigit()] == ["delta", "full", "delta"], out.stdout
+    bad = subprocess.run([sys.executable, str(script), "--cases", "full,nope"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown cases ['nope']" in bad.stderr
