@@ -218,6 +218,7 @@ class Mirror:
         flat uint8 ``buffer``; returns the table for the header and the bytes used."""
         table: list[list[int]] = []
         offset = 0
+        newest = self.changes.get(self.version, {})  # its values are at hand in self.values
         with torch.no_grad():
             for i in sorted(changes):
                 offset = _align(offset)
@@ -230,8 +231,7 @@ class Mirror:
                     vals_at = offset + _align(count * _INDEX_BYTES)
                     buffer[offset:offset + count * _INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
-                    newest = self.changes.get(self.version, {})
-                    if i in self.values and newest.get(i) is idx:  # the newest version's own: values at hand
+                    if i in self.values and newest.get(i) is idx:  # the newest version's own indices
                         _bits(dst).copy_(_bits(self.values[i]))
                     elif idx.dtype == torch.int32 and native.usable(flat, dst, idx):
                         native.gather(flat, idx, dst)

@@ -6,12 +6,14 @@ write of the values (``scatter``).
 Comparing the model with the sender's mirror and picking out the changed elements takes torch
 about six passes (compare, ``nonzero``, two gathers, a scatter, the elements inside the changed
 words); ``diff_words`` does it in one: it reads both copies once, copies each differing 8-byte
-word into the mirror and writes the indices of the elements that differ inside it. Its result
-is the same as the torch path's, bit for bit (``tests/test_native.py`` holds them to it).
+word into the mirror and writes the indices and new values of the elements that differ inside
+it. Its result is the same as the torch path's, bit for bit (``tests/test_native.py`` holds
+them to it).
 
 The source below is compiled with the system's C compiler (``$CC``, else ``cc``) into
 ``$XDG_CACHE_HOME/wsync`` (else ``~/.cache/wsync``), once per source and machine, and loaded with
-``ctypes``, whose calls release the GIL, so two threads compare two halves at once. Set
+``ctypes``, whose calls release the GIL, so the comparison runs in as many parts at once as
+torch has threads. Set
 ``WSYNC_NATIVE=0`` to never compile or load it. Without a compiler, on a big-endian machine, or if
 the build fails, ``kernel()`` is None and the caller uses torch ops.
 """

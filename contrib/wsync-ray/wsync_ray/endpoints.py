@@ -318,10 +318,7 @@ class RaySender(SenderEndpoint):
             old = self.tokens.get(event.worker)
             if old is not None:
                 self.retired.add(old)
-            token = raw[2] if len(raw) == 3 and isinstance(raw[2], str) else None
-            if token is None:
-                self.tokens.pop(event.worker, None)
-                return [*out, event]
+            token = raw[2]  # _event admits a join only with its receiver's token
             self.tokens[event.worker] = token
             out.append(event)
             keep = []
@@ -392,7 +389,7 @@ def _event(item: Any) -> Event | None:
     """One mailbox event as a wsync Event; None (logged) for anything malformed."""
     if isinstance(item, list) and len(item) >= 2 and isinstance(item[1], int) and not isinstance(item[1], bool):
         kind, worker = item[0], item[1]
-        if kind == "join" and len(item) in (2, 3):
+        if kind == "join" and len(item) == 3 and isinstance(item[2], str):
             return Joined(worker)
         if kind == "ack" and len(item) == 3 and isinstance(item[2], bytes) and len(item[2]) <= MAX_ACK_BYTES:
             return Acked(worker, item[2])
