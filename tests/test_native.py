@@ -1,9 +1,11 @@
-"""The native delta kernel gives the torch path's answer bit for bit: the same changed indices,
-the same mirror afterwards, for every element width, split across threads or not, after a fork
-too; and it can be switched off."""
+"""The native kernels give the torch path's answer bit for bit: the delta comparison the same
+changed indices and the same mirror afterwards, for every element width, split across threads or
+not, after a fork too; a small model's copy into or out of a payload the same bytes, bumping the
+version counters as torch does; and they can be switched off."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -152,3 +154,76 @@ def test_ascending_matches_the_rule(values: list[int], limit: int) -> None:
     index = torch.tensor(values, dtype=torch.int32)
     want = all(0 <= v < limit for v in values) and all(a < b for a, b in zip(values, values[1:]))
     assert native.ascending(index, limit) == want
+
+
+# -- a small model's copy into and out of a payload (Layout.pack / unpack) ----------------------
+def _layout_case(shapes: list[tuple[tuple[int, ...], torch.dtype]], seed: int):
+    from wsync_core.layout import Layout
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {f"t{i:02d}": _random_bits(max(1, math.prod(shape)), dtype, gen)[:math.prod(shape)].reshape(shape)
+               for i, (shape, dtype) in enumerate(shapes)}
+    return Layout.of(tensors), tensors
+
+
+_SHAPES = st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=3).map(tuple), st.sampled_from(_DTYPES)),
+                   min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=_SHAPES, seed=st.integers(0, 2**31 - 1))
+def test_small_pack_and_unpack_are_the_torch_copy_bit_for_bit(shapes, seed: int) -> None:
+    layout, tensors = _layout_case(shapes, seed)
+    assert layout._regions is not None  # small: the native copy is the one that runs
+    got = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    want = got.clone()
+    layout.pack(tensors, got)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "kernel", lambda: None)
+        layout.pack(tensors, want)
+    assert torch.equal(got, want)
+    targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    versions = {k: t._version for k, t in targets.items()}
+    layout.unpack(got, targets, ready=layout.ready(targets))
+    for k, t in targets.items():
+        assert _bits_equal(t.reshape(-1), tensors[k].reshape(-1)), k
+        if t.numel():
+            assert t._version > versions[k], f"{k}: an in-place write must bump the version counter"
+
+
+def test_unpack_falls_back_to_torch_where_raw_bytes_would_be_wrong() -> None:
+    """A non-contiguous target: torch's copy, which honours its strides; a complex model (whose
+    conjugate views raw bytes would not honour) always goes through torch; a negative view is never
+    written as raw bytes (``ready`` says no)."""
+    from wsync_core.layout import Layout
+    src = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+    layout = Layout.of(src)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.pack(src, payload)
+    assert not layout.ready({"a": torch.zeros(2, 3), "b": torch._neg_view(torch.zeros(3))})
+    strided = torch.zeros(3, 2).t()
+    targets = {"a": strided, "b": torch.zeros(3)}
+    assert not layout.ready(targets)
+    layout.unpack(payload, targets)
+    assert torch.equal(strided, src["a"]) and torch.equal(targets["b"], src["b"])
+    cplx = {"c": torch.randn(4, dtype=torch.complex64)}
+    layout = Layout.of(cplx)
+    assert layout._regions is None
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.pack(cplx, payload)
+    out = {"c": torch.zeros(4, dtype=torch.complex64)}
+    layout.unpack(payload, out, ready=layout.ready(out))
+    assert torch.equal(out["c"], cplx["c"])
+
+
+def test_a_received_version_breaks_a_graph_that_saved_the_old_weights() -> None:
+    """As with an in-place torch copy: backward through a graph that saved a weight the payload
+    overwrote raises, instead of silently using the new values."""
+    from wsync_core.layout import Layout
+    model = torch.nn.Linear(3, 3)
+    targets = {k: v for k, v in model.named_parameters()}
+    layout = Layout.of(targets)
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    out = model(torch.randn(2, 3, requires_grad=True)).sum()
+    layout.unpack(payload, targets, ready=layout.ready(targets))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

@@ -1,4 +1,5 @@
-"""What a process forked from a sender does with the sender's sockets: it lets go of its copies.
+"""Forked children: this process's id without a system call, and what a child does with a
+sender's sockets (it lets go of its copies).
 
 A forked child inherits every descriptor of its parent. A copy of a listening socket keeps the
 parent's address taken after the parent closes it (a new sender cannot bind there) and a copy of
@@ -12,7 +13,22 @@ import os
 import socket
 from collections.abc import Iterable
 
-__all__ = ["close_inherited"]
+__all__ = ["close_inherited", "pid"]
+
+_pid = [os.getpid()]
+
+
+def _after_fork_in_child() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def pid() -> int:
+    """This process's id, as ``os.getpid()``, without its system call (called on every send and
+    receive, to notice a scheme or a lease that crossed a fork)."""
+    return _pid[0]
 
 
 def _local(sock: socket.socket) -> int | str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import native
 from .errors import SchemaMismatchError
 from .lease import exclusive
 
@@ -25,6 +27,9 @@ __all__ = ["Entry", "Layout", "ALIGN", "DTYPES", "clip_keys"]
 ALIGN = 64
 #: how many buffers' views a layout remembers
 _VIEW_CACHE = 4
+#: a payload up to this size is copied into or out of the model's tensors by one native call where
+#: it can be (``native.copy_regions``); torch copies larger ones, on its threads
+NATIVE_COPY_BYTES = 1 << 20
 
 #: The dtypes a payload may carry, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -69,16 +74,21 @@ class Entry:
 class Layout:
     """An immutable, sorted table of entries; ``nbytes`` is the size of the flat buffer."""
 
-    __slots__ = ("entries", "nbytes", "digest", "_by_key", "_filled", "_views")
+    __slots__ = ("entries", "nbytes", "digest", "_by_key", "_filled", "_views", "_regions")
 
     def __init__(self, entries: list[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
         self._filled = tuple(e for e in self.entries if e.nbytes)
+        #: (offsets, lengths) of the filled entries for ``native.copy_regions``, if this layout is
+        #: small and has no complex dtype (whose conjugate views a raw copy would not honour)
+        self._regions: tuple[array, array] | None = None
         #: views of recently used buffers, by (address, device): slots and staging buffers repeat
         self._views: OrderedDict[tuple[int, torch.device], list[torch.Tensor]] = OrderedDict()
         self.nbytes: int = _align(max((e.offset + e.nbytes for e in entries), default=0))
         self._by_key = {e.key: e for e in entries}
         self.digest: str = hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+        if self.nbytes <= NATIVE_COPY_BYTES and not any(e.torch_dtype.is_complex for e in self._filled):
+            self._regions = (array("q", [e.offset for e in self._filled]), array("q", [e.nbytes for e in self._filled]))
 
     # -- building -------------------------------------------------------------------------
     @classmethod
@@ -176,15 +186,16 @@ class Layout:
 
     def ready(self, targets: Mapping[str, torch.Tensor]) -> bool:
         """True if ``targets`` fit this layout (as ``fits``), are all on the CPU, and a payload can be
-        written into each in place (no check of ``check_writable`` would fail): the common case, in
-        one pass of cheap checks. False says nothing: ``check_fits`` and ``check_writable`` decide."""
+        written into each in place as raw bytes (no check of ``check_writable`` would fail, no
+        negative view): the common case, in one pass of cheap checks. False says nothing:
+        ``check_fits`` and ``check_writable`` decide."""
         if len(targets) != len(self.entries):
             return False
         for e in self.entries:
             t = targets.get(e.key)
             # contiguous: no element shares memory with another (what _debug_has_internal_overlap finds)
             if (t is None or t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu
-                    or t.is_inference() or not t.is_contiguous()):
+                    or t.is_inference() or not t.is_contiguous() or t.is_neg()):
                 return False
         return True
 
@@ -205,10 +216,13 @@ class Layout:
     def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
 
-        One fused ``copy_`` over every tensor, on torch's own threads: right after a training step
+        A small payload is one native call (``_copy_native``); a larger one one fused ``copy_`` over
+        every tensor, on torch's own threads: right after a training step
         those threads are the ones still spinning, so a copy on threads of its own would compete with
         them for the cores (see docs/benchmarks.md)."""
-        _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
+        srcs = [tensors[e.key] for e in self._filled]
+        if not self._copy_native(buffer, srcs, to_buffer=True):
+            _copy_all(self._views_of(buffer), srcs)
 
     def pack_stream(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, step: int,
                     ready: Callable[[int], None]) -> None:
@@ -235,9 +249,38 @@ class Layout:
         if reported < self.nbytes or not self.nbytes:
             _report(buffer, self.nbytes, ready)
 
-    def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
-        """Copy the flat ``buffer`` into ``targets`` in place (any device)."""
-        _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
+    def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor], *, ready: bool = False) -> None:
+        """Copy the flat ``buffer`` into ``targets`` in place (any device). ``ready``: the caller
+        found ``self.ready(targets)`` true just now (the checks are not repeated)."""
+        dsts = [targets[e.key] for e in self._filled]
+        if not self._copy_native(buffer, dsts, to_buffer=False, checked=ready):
+            _copy_all(dsts, self._views_of(buffer))
+
+    def _copy_native(self, buffer: torch.Tensor, tensors: list[torch.Tensor], to_buffer: bool,
+                     checked: bool = False) -> bool:
+        """Copy between ``buffer`` and ``tensors`` (the filled entries' own, in order) by one native
+        call if that is exact here: a small layout, the kernels built, everything on the CPU,
+        contiguous, of its entry's dtype and shape, no negative view, a destination that torch
+        would write to (not an inference tensor); ``checked``: ``ready(tensors)`` said so. Bumps
+        the destinations' version counters, as an in-place torch copy does. False (nothing
+        copied) otherwise."""
+        regions = self._regions
+        if (regions is None or buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous()
+                or buffer.numel() < self.nbytes or to_buffer and buffer.is_inference()
+                or (lib := native.kernel()) is None):
+            return False
+        if checked:
+            ptrs = array("q", [t.data_ptr() for t in tensors])
+        else:
+            ptrs = array("q")
+        for e, t in zip(self._filled, () if checked else tensors):
+            if (t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu or not t.is_contiguous()
+                    or t.is_neg() or not to_buffer and t.is_inference()):
+                return False
+            ptrs.append(t.data_ptr())
+        native.copy_regions(lib, buffer.data_ptr(), ptrs, regions[0], regions[1], to_buffer)
+        torch._C._increment_version([buffer] if to_buffer else tensors)
+        return True
 
     def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor],
               retired: list[torch.Tensor] | None = None) -> list[torch.Tensor]:

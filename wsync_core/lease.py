@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import forked
+
 __all__ = ["LeaseBook", "exclusive"]
 
 _lock = threading.Lock()
@@ -61,7 +63,7 @@ class LeaseBook:
     """The leases of one receiving scheme. ``drain`` runs the releases that fell due."""
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
+        self._pid = forked.pid()
         self._due_list: list[_Lease] = []
         self._closed = False
 
@@ -74,7 +76,7 @@ class LeaseBook:
             return payload
         lease = _Lease(self, release)
         array = payload.numpy()  # keeps ``payload``, and so the transport's memory, alive
-        weakref.finalize(array, _storage_freed, weakref.ref(lease), os.getpid())
+        weakref.finalize(array, _storage_freed, weakref.ref(lease), forked.pid())
         with _lock:
             _live.add(lease)
         return torch.frombuffer(array, dtype=torch.uint8)  # its storage holds ``array``: the last view frees it
@@ -92,7 +94,7 @@ class LeaseBook:
         self.drain()
 
     def _due(self, lease: _Lease) -> None:
-        if os.getpid() != self._pid:
+        if forked.pid() != self._pid:
             return  # a forked child never gives back its parent's memory
         if self._closed:
             lease.release()
@@ -102,7 +104,7 @@ class LeaseBook:
 
 def _storage_freed(ref: weakref.ref[_Lease], pid: int) -> None:
     lease = ref()
-    if lease is not None and os.getpid() == pid:
+    if lease is not None and forked.pid() == pid:
         lease.drop()
 
 

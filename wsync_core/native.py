@@ -1,7 +1,9 @@
-"""Small C kernels for deltas, compiled on first use where a C compiler is found, with torch ops
-as the fallback everywhere else: the sender's comparison (``diff_words``), its gather of the
+"""Small C kernels, compiled on first use where a C compiler is found, with torch ops as the
+fallback everywhere else: for deltas, the sender's comparison (``diff_words``), its gather of the
 changed values (``gather``), and a receiver's check of the indices (``ascending``) and its
-write of the values (``scatter``).
+write of the values (``scatter``); for small models, the copy of every tensor into or out of a
+packed payload in one call (``copy_regions``: ``_foreach_copy_`` costs about 2 us a tensor,
+which is most of a small update's copy).
 
 Comparing the model with the sender's mirror and picking out the changed elements takes torch
 about six passes (compare, ``nonzero``, two gathers, a scatter, the elements inside the changed
@@ -29,11 +31,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+from array import array
 from pathlib import Path
 
 import torch
 
-__all__ = ["kernel", "available", "usable", "diff_words", "gather", "ascending", "scatter"]
+__all__ = ["kernel", "available", "usable", "diff_words", "gather", "ascending", "scatter", "copy_regions"]
 
 log = logging.getLogger("wsync.native")
 
@@ -137,6 +140,16 @@ void wsync_scatter(char *dst, const char *idx, int64_t n, int64_t size, const ch
         memcpy(dst + (S) * (int64_t)j, vals + (S) * i, (S)); }
     WSYNC_EACH_SIZE(SCATTER)
 }
+
+/* For each of n regions: copy len[i] bytes between ptr[i] and buf + off[i] (into the buffer if
+   to_buf, else out of it). memmove: a region may overlap the buffer. */
+void wsync_copy_regions(char *buf, const int64_t *ptr, const int64_t *off, const int64_t *len, int64_t n,
+                        int64_t to_buf) {
+    for (int64_t i = 0; i < n; i++) {
+        if (to_buf) memmove(buf + off[i], (const char *)(intptr_t)ptr[i], (size_t)len[i]);
+        else memmove((char *)(intptr_t)ptr[i], buf + off[i], (size_t)len[i]);
+    }
+}
 """
 
 _lock = threading.Lock()
@@ -154,29 +167,29 @@ def _build() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        log.info("no C compiler found: the delta comparison uses torch ops")
+        log.info("no C compiler found: wsync uses torch ops where its native kernels would run")
         return None
     tag = hashlib.sha256(f"{_SOURCE}\0{cc}\0{os.uname().machine}".encode()).hexdigest()[:16]
-    target = _cache_dir() / f"diff-{tag}.so"
+    target = _cache_dir() / f"kernels-{tag}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / "diff.c"
+                src = Path(tmp) / "kernels.c"
                 src.write_text(_SOURCE)
-                built = Path(tmp) / "diff.so"
+                built = Path(tmp) / "kernels.so"
                 subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", str(built), str(src)], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent build leaves one whole file
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            log.info("building the native delta kernel failed (%s %s): the delta comparison uses torch ops",
+            log.info("building the native kernels failed (%s %s): wsync uses torch ops instead",
                      exc, detail.decode(errors="replace")[-500:])
             return None
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
-        log.info("loading the native delta kernel %s failed (%s): the delta comparison uses torch ops", target, exc)
+        log.info("loading the native kernels %s failed (%s): wsync uses torch ops instead", target, exc)
         return None
     fn = lib.wsync_diff_words
     fn.restype = ctypes.c_int64
@@ -186,6 +199,9 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.wsync_copy_regions.restype = None
+    lib.wsync_copy_regions.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64]
     lib.wsync_ascending.restype = ctypes.c_int64
     lib.wsync_ascending.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
@@ -272,8 +288,16 @@ def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> 
     _need().wsync_scatter(target.data_ptr(), index.data_ptr(), n, target.element_size(), values.data_ptr())
 
 
+def copy_regions(lib: ctypes.CDLL, buffer: int, ptrs: array, offsets: array, lengths: array, to_buffer: bool) -> None:
+    """Copy ``lengths[i]`` bytes between address ``ptrs[i]`` and ``buffer + offsets[i]`` for each i
+    (into the buffer if ``to_buffer``), with ``lib = kernel()``. The caller vouches for every
+    address: CPU memory it holds, each region inside its tensor and the buffer."""
+    lib.wsync_copy_regions(buffer, ptrs.buffer_info()[0], offsets.buffer_info()[0], lengths.buffer_info()[0],
+                           len(ptrs), int(to_buffer))
+
+
 def _need() -> ctypes.CDLL:
     lib = kernel()
     if lib is None:
-        raise RuntimeError("the native delta kernels are not available")
+        raise RuntimeError("the native kernels are not available")
     return lib

@@ -23,7 +23,7 @@ from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
-from .weights import Weights, device_of, flatten, materialize, meta_keys, restore_extra_state
+from .weights import EXTRA_STATE, Weights, device_of, flatten, materialize, meta_keys, restore_extra_state
 
 __all__ = ["Receiver"]
 
@@ -43,6 +43,8 @@ class Receiver:
             raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
         tensors = flatten(model, strategy)
         self.layout = Layout.of(tensors)
+        #: whether some module has extra state (handed back through ``set_extra_state`` after each version)
+        self._extra = any(EXTRA_STATE in key for key in tensors)
         device = device_of(tensors)
         if device.type == "meta":  # materialized on the CPU from the first payload
             device = torch.device("cpu")
@@ -161,11 +163,10 @@ class Receiver:
                 listener(header.version)
         finally:
             endpoint.ack(Ack(self.worker_idx, header.version).encode())
-        # off the sender's path: unmap what the model stopped viewing, give back what fell due, warm the new
-        if warm is not None:
-            # tens of ms of page-table work follow: first let run whoever waits for a core (other
-            # workers of this send not yet woken to their ack; on few cores they would wait for a tick)
-            _yield_core()
+        # the ack has woken the sender; on few cores it would wait for the rest of this worker's
+        # turn (the rest of this call, the worker's own work after it): let it, and any other
+        # worker of this send not yet woken, run first (and before the page-table work of warming)
+        _yield_core()
         retired.clear()
         self._leases.drain()
         if warm is not None:
@@ -263,8 +264,9 @@ class Receiver:
             self._adopted.add(adopted)
         else:
             adopted = []
-            layout.unpack(payload, targets)
-        restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
+            layout.unpack(payload, targets, ready=on_cpu)
+        if self._extra:
+            restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or not on_cpu and any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         return bool(adopted)
@@ -309,7 +311,8 @@ class Receiver:
             unpack_wire(wire, payload, targets)
         else:
             apply_ops(ops, indices, payload, targets)
-        restore_extra_state(self.source, targets)
+        if self._extra:
+            restore_extra_state(self.source, targets)
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import forked
 from .deadline import Deadline
 from .delta import check_wire_dtype
 from .errors import StateError
@@ -98,7 +98,7 @@ class WeightSyncScheme:
 
     # -- configuration and pickling -------------------------------------------------------------
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._pid = forked.pid()
         self._lock = threading.RLock()
         self._state = _State.NEW
         self._role: Sender | Receiver | None = None
@@ -181,7 +181,7 @@ class WeightSyncScheme:
     def _adopt_fork(self) -> None:
         """In a child made by fork, this object is the parent's: start over as a fresh copy (like
         an unpickled one), leaving the parent's endpoint, threads and buffers alone."""
-        if self._pid != os.getpid():
+        if self._pid != forked.pid():
             if self._finalizer is not None:
                 self._finalizer.detach()
             self._reset()  # what the model views stays pinned by the parent while this child lives
@@ -418,5 +418,5 @@ class WeightSyncScheme:
 def _close(role: Sender | Receiver, pid: int) -> None:
     """Close a role's endpoint once no one uses it (the scheme was shut down or collected). A
     forked child never closes its parent's endpoint."""
-    if os.getpid() == pid:
+    if forked.pid() == pid:
         role.close()
