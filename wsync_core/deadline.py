@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "POLL"]
 
 
 class Deadline:
@@ -47,3 +47,7 @@ class Deadline:
 
     def __repr__(self) -> str:
         return f"Deadline(remaining={self.remaining():.3f}s)"
+
+
+#: a deadline that has already passed: a call given it polls (it waits for nothing)
+POLL = Deadline(0.0)

@@ -184,18 +184,18 @@ class Layout:
                 return False
         return True
 
-    def ready(self, targets: Mapping[str, torch.Tensor]) -> bool:
+    def ready(self, targets: Mapping[str, torch.Tensor], *, write: bool = True) -> bool:
         """True if ``targets`` fit this layout (as ``fits``), are all on the CPU, and a payload can be
         written into each in place as raw bytes (no check of ``check_writable`` would fail, no
-        negative view): the common case, in one pass of cheap checks. False says nothing:
-        ``check_fits`` and ``check_writable`` decide."""
+        negative view), or with ``write=False`` read from each as raw bytes: the common case, in
+        one pass of cheap checks. False says nothing: ``check_fits`` and ``check_writable`` decide."""
         if len(targets) != len(self.entries):
             return False
         for e in self.entries:
             t = targets.get(e.key)
             # contiguous: no element shares memory with another (what _debug_has_internal_overlap finds)
             if (t is None or t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu
-                    or t.is_inference() or not t.is_contiguous() or t.is_neg()):
+                    or write and t.is_inference() or not t.is_contiguous() or t.is_neg()):
                 return False
         return True
 
@@ -213,15 +213,16 @@ class Layout:
         raise SchemaMismatchError(prefix + "weights do not match; " + "; ".join(diffs))
 
     # -- moving bytes ------------------------------------------------------------------------
-    def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
+    def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, *, ready: bool = False) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
+        ``ready``: the caller found ``self.ready(tensors, write=False)`` true just now.
 
         A small payload is one native call (``_copy_native``); a larger one one fused ``copy_`` over
         every tensor, on torch's own threads: right after a training step
         those threads are the ones still spinning, so a copy on threads of its own would compete with
         them for the cores (see docs/benchmarks.md)."""
         srcs = [tensors[e.key] for e in self._filled]
-        if not self._copy_native(buffer, srcs, to_buffer=True):
+        if not self._copy_native(buffer, srcs, to_buffer=True, checked=ready):
             _copy_all(self._views_of(buffer), srcs)
 
     def pack_stream(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, step: int,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .deadline import Deadline
+from .deadline import POLL, Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
 from .delta import apply_ops, check_indices, decode_table, unpack_wire, wire_layout, WIRE_DTYPES
 from .layout import Layout
@@ -131,7 +131,7 @@ class Receiver:
                 else:
                     stale = True
                     _release(delivery)
-                delivery = endpoint.recv(Deadline(0.0))
+                delivery = endpoint.recv(POLL)
         except BaseException:
             if best is not None:
                 _release(best[0])

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from .deadline import Deadline
+from .deadline import POLL, Deadline
 from .delta import Costs, Mirror, wire_layout
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
 from .layout import Layout, clip_keys
@@ -55,7 +55,7 @@ class SendHandle:
     def done(self) -> bool:
         """True once every target acked this version (collects waiting acks, never blocks)."""
         with self._sender.lock:
-            return self._sender.outstanding(self.version, self.targets, Deadline(0.0)) == ([], {})
+            return self._sender.outstanding(self.version, self.targets, POLL) == ([], {})
 
     def wait(self, timeout: float | None = None) -> int:
         """Return the version once all targets applied it.
@@ -139,7 +139,7 @@ class Sender:
     def start(self, deadline: Deadline, watch: Callable[[list[int]], Mapping[int, str]] | None) -> None:
         """Publish version 0, start the service thread, and wait until every worker applied it."""
         self._publish_new(flatten(self.source, self.strategy), list(range(self.num_workers)), deadline, version=0)
-        self._pump(Deadline(0.0))
+        self._pump(POLL)
         self._service = threading.Thread(target=_serve, args=(weakref.ref(self), self.stop_service),
                                          name="wsync-sender-service", daemon=True)
         self._service.start()
@@ -171,10 +171,12 @@ class Sender:
         targets = self._targets(worker_ids)
         chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
-        self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
-                               context="send(weights=...)")
-        self._pump(Deadline(0.0))
-        version = self._publish_new(tensors, targets, deadline, version=self.version + 1, keys=chosen)
+        plain = self.layout.ready(tensors, write=False)  # the common case in one pass
+        if not plain:
+            self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
+                                   context="send(weights=...)")
+        self._pump(POLL)
+        version = self._publish_new(tensors, targets, deadline, version=self.version + 1, keys=chosen, plain=plain)
         return SendHandle(self, wait, version, targets)
 
     def _keys(self, keys: Iterable[str] | None) -> list[str] | None:
@@ -203,7 +205,9 @@ class Sender:
         return targets
 
     def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
-                     version: int, keys: list[str] | None = None) -> int:
+                     version: int, keys: list[str] | None = None, plain: bool = False) -> int:
+        """Snapshot ``tensors`` and publish them as ``version`` to the joined ``targets``;
+        ``plain``: ``layout.ready(tensors, write=False)`` said so."""
         choice = self.costs.next_send() if self.costs is not None and keys is None and version > 0 else "delta"
         if choice == "full":  # a full send is cheaper here than a diff: stop diffing (and free the mirror)
             log.info("delta=True: a full send (%.1f ms) beats a delta (%.1f ms) on this transport; sending full "
@@ -221,7 +225,7 @@ class Sender:
             joined = [w for w in targets if w in self._joined]
             self.layout.pack_stream(tensors, tensor, step, lambda n: endpoint.ready(buffer, n, joined))
         else:
-            self.layout.pack(tensors, tensor)
+            self.layout.pack(tensors, tensor, ready=plain)
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
         buffer.used = tensor.numel()
@@ -409,7 +413,7 @@ class Sender:
     def serve_once(self) -> None:
         """Answer the transport without waiting (the service thread, between calls)."""
         if self.connected:
-            self._pump(Deadline(0.0))
+            self._pump(POLL)
 
     def _handle(self, event: Event) -> None:
         w = event.worker

@@ -368,6 +368,7 @@ class _Receiver(ReceiverEndpoint):
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
         self._woken = False
         self._wake_fd = -1  # an eventfd the selector also watches: wake() ends a wait at once
+        self._drained = False  # the delivery just returned came from a read that emptied the socket
 
     def open(self, deadline: Deadline) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -406,13 +407,19 @@ class _Receiver(ReceiverEndpoint):
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self._sock is None:
             raise TransportError(f"worker {self._worker}: the shm receiver is closed")
+        # a poll while the delivery just returned is still held, whose read emptied the socket (the
+        # core looking for a newer one before it applies it) would read nothing but a system call's
+        # time: what arrives meanwhile the next call takes
+        read, self._drained = not (self._drained and deadline.expired()), False
         while True:
             if self._woken:
                 return None
-            self._read()
+            drained = self._read() if read else False
+            read = True
             if self._newest is not None:
                 delivery = self._take()
                 if delivery is not None:
+                    self._drained = drained
                     return delivery
                 continue  # it was stale; a newer one is on its way
             if self._closed_by is not None:
@@ -422,17 +429,20 @@ class _Receiver(ReceiverEndpoint):
             left = deadline.remaining()
             self._selector.select(None if left == float("inf") else left)
 
-    def _read(self) -> None:
-        """Take in every frame waiting on the socket; remember only the newest delivery."""
+    def _read(self) -> bool:
+        """Take in every frame waiting on the socket; remember only the newest delivery. True if
+        the socket was found empty at the end."""
         while self._closed_by is None:
             try:
                 data = self._sock.recv(_CHUNK)
             except BlockingIOError:
-                return
+                return True
             except OSError as exc:
-                return self._sender_gone(f"the connection to the shm sender failed ({exc})")
+                self._sender_gone(f"the connection to the shm sender failed ({exc})")
+                return False
             if not data:
-                return self._sender_gone(f"the shm sender {self._name!r} closed the connection (it shut down or died)")
+                self._sender_gone(f"the shm sender {self._name!r} closed the connection (it shut down or died)")
+                return False
             for frame in self._reader.feed(data):
                 if frame.kind == Kind.DELIVER:
                     self._newest = (frame.arg, frame.value, frame.body)
@@ -441,12 +451,13 @@ class _Receiver(ReceiverEndpoint):
                     self._reader.accept = frozenset([Kind.DELIVER, Kind.REFUSE])
                 elif frame.kind == Kind.REFUSE:
                     self._closed_by = f"the shm sender refused this worker: {frame.body.decode(errors='replace')}"
-                    return
+                    return False
                 else:
                     raise TransportError(f"worker {self._worker}: the shm sender sent a malformed "
                                          f"welcome {frame.body[:12]!r}")
             if len(data) < _CHUNK:  # drained (more may come: the next call reads it)
-                return
+                return True
+        return False
 
     def _take(self) -> Delivery | None:
         """Lock and check the newest delivery's slot; None if the sender has reused it since."""
@@ -469,6 +480,7 @@ class _Receiver(ReceiverEndpoint):
             nonlocal released
             if not released:
                 released = True
+                self._drained = False
                 slot.unlock()
 
         if self._zero_copy:
