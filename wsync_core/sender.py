@@ -8,7 +8,6 @@ version, acks of asynchronous sends are collected).
 from __future__ import annotations
 
 import json
-import os
 import logging
 import threading
 import time
@@ -35,8 +34,6 @@ log = logging.getLogger("wsync")
 _MAX_PENDING = 256
 #: how long a sender waits for a buffer to send a joiner the newest version in full (seconds)
 _FULL_ACQUIRE_S = 5.0
-#: give up the core to a waiting thread, where the system has the call (not on Windows)
-_yield_core = getattr(os, "sched_yield", lambda: None)
 #: how often a connected sender answers its transport between calls (seconds)
 _SERVICE_INTERVAL = 0.01
 _ERROR_TYPES: dict[str, type[WsyncError]] = {
@@ -483,7 +480,6 @@ class Sender:
 
         Returns (targets still missing, rejections by worker).
         """
-        pumped = False
         while True:
             # a rejection of v fails the sends up to v that the worker has not applied: it only
             # ever gets the newest version, so it will not apply those any more
@@ -496,10 +492,7 @@ class Sender:
             if self.closing:
                 raise StateError(f"waiting for version {version} was interrupted: shutdown() was called from "
                                  f"another thread; build a new WeightSyncScheme")
-            if pumped:  # woken by some acks, others to come: a worker this wake-up preempted goes first
-                _yield_core()
             self._pump(deadline)
-            pumped = True
 
     def finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
         """Wait until every target applied ``version``. Raises the error a worker reported for it,
