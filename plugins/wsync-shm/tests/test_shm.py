@@ -89,6 +89,32 @@ def test_lagging_and_subset_receivers_get_their_newest_version(group) -> None:
     assert len(slot_files(name)) <= 3 + 2
 
 
+def test_a_version_sent_while_a_receive_holds_the_one_before_is_the_next_receive(group, monkeypatch) -> None:
+    """A receive looks for a newer delivery before applying the one it took without reading the
+    socket again (it was just emptied): one published in between is not lost, nor applied out of
+    order; the next receive, a poll included, applies it."""
+    from wsync_shm import transport as shm_transport
+
+    name, sender, model, (r0,) = group(1)
+    take = shm_transport._Receiver._take
+    sent: list[int] = []
+
+    def take_then_publish(endpoint):
+        delivery = take(endpoint)
+        if delivery is not None and not sent:  # the receiver holds version 1: publish version 2 now
+            fill(model, 2)
+            sent.append(sender.send_async().version)
+        return delivery
+
+    monkeypatch.setattr(shm_transport._Receiver, "_take", take_then_publish)
+    fill(model, 1)
+    sender.send_async()
+    assert r0.receive(timeout=30.0) == 1 and holds(model_of(r0), 1)
+    assert sent == [2]
+    assert r0.receive(timeout=0.0) == 2 and holds(model_of(r0), 2)
+    assert r0.receive(timeout=0.0) is None
+
+
 def test_zero_copy_receivers_view_a_pinned_slot_and_write_privately(group) -> None:
     name, sender, model, (r0, r1) = group(2, zero_copy=True)
     w0 = model_of(r0)["w"]
