@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,17 @@ def test_same_loop_times_every_send_it_was_asked_for(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("shm 1 workers, 5 sends: p50 "), out.stdout
+
+
+def test_python_floor_times_every_update_and_leaves_nothing_behind(tmp_path) -> None:
+    """``benchmarks/python_floor.py`` (the floor of a small update in Python) runs and cleans up."""
+    script = Path(__file__).parents[1] / "python_floor.py"
+    before = {e for e in os.listdir("/dev/shm") if e.startswith("wsync-floor-")}
+    out = subprocess.run([sys.executable, str(script), "--workers", "2", "--updates", "5", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("python floor, 2 workers, 5 updates: p50 "), out.stdout
+    assert {e for e in os.listdir("/dev/shm") if e.startswith("wsync-floor-")} == before
 
 
 @pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
