@@ -266,21 +266,21 @@ class Layout:
         the destinations' version counters, as an in-place torch copy does. False (nothing
         copied) otherwise."""
         regions = self._regions
-        if (regions is None or buffer.dtype != torch.uint8 or not buffer.is_cpu or not buffer.is_contiguous()
-                or buffer.numel() < self.nbytes or to_buffer and buffer.is_inference()
+        if (regions is None or _BUMP_VERSIONS is None or buffer.dtype != torch.uint8 or not buffer.is_cpu
+                or not buffer.is_contiguous() or buffer.numel() < self.nbytes or to_buffer and buffer.is_inference()
                 or (lib := native.kernel()) is None):
             return False
         if checked:
             ptrs = array("q", [t.data_ptr() for t in tensors])
         else:
             ptrs = array("q")
-        for e, t in zip(self._filled, () if checked else tensors):
-            if (t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu or not t.is_contiguous()
-                    or t.is_neg() or not to_buffer and t.is_inference()):
-                return False
-            ptrs.append(t.data_ptr())
+            for e, t in zip(self._filled, tensors):
+                if (t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu or not t.is_contiguous()
+                        or t.is_neg() or not to_buffer and t.is_inference()):
+                    return False
+                ptrs.append(t.data_ptr())
         native.copy_regions(lib, buffer.data_ptr(), ptrs, regions[0], regions[1], to_buffer)
-        torch._C._increment_version([buffer] if to_buffer else tensors)
+        _BUMP_VERSIONS([buffer] if to_buffer else tensors)
         return True
 
     def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor],
@@ -400,6 +400,9 @@ def _adoptable(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+#: what ``torch.autograd.graph.increment_version`` calls, for a list at once (None in a torch
+#: without it: then torch's own copy does every write, which bumps the counters itself)
+_BUMP_VERSIONS = getattr(torch._C, "_increment_version", None)
 
 
 def clip_keys(keys: list[str], n: int = 8) -> str:
