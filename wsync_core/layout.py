@@ -213,17 +213,16 @@ class Layout:
         raise SchemaMismatchError(prefix + "weights do not match; " + "; ".join(diffs))
 
     # -- moving bytes ------------------------------------------------------------------------
-    def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, *, ready: bool = False) -> None:
+    def pack(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, *, ready: bool | None = None) -> None:
         """Copy ``tensors`` into the flat uint8 ``buffer`` (any device). The sources are only read.
-        ``ready``: the caller found ``self.ready(tensors, write=False)`` true just now.
+        ``ready``: what ``self.ready(tensors, write=False)`` said just now (asked here if None).
 
         A small payload is one native call (``_copy_native``); a larger one one fused ``copy_`` over
         every tensor, on torch's own threads: right after a training step
         those threads are the ones still spinning, so a copy on threads of its own would compete with
         them for the cores (see docs/benchmarks.md)."""
-        srcs = [tensors[e.key] for e in self._filled]
-        if not self._copy_native(buffer, srcs, to_buffer=True, checked=ready):
-            _copy_all(self._views_of(buffer), srcs)
+        if not self._copy_native(buffer, tensors, to_buffer=True, ready=ready):
+            _copy_all(self._views_of(buffer), [tensors[e.key] for e in self._filled])
 
     def pack_stream(self, tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor, step: int,
                     ready: Callable[[int], None]) -> None:
@@ -250,37 +249,30 @@ class Layout:
         if reported < self.nbytes or not self.nbytes:
             _report(buffer, self.nbytes, ready)
 
-    def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor], *, ready: bool = False) -> None:
-        """Copy the flat ``buffer`` into ``targets`` in place (any device). ``ready``: the caller
-        found ``self.ready(targets)`` true just now (the checks are not repeated)."""
-        dsts = [targets[e.key] for e in self._filled]
-        if not self._copy_native(buffer, dsts, to_buffer=False, checked=ready):
-            _copy_all(dsts, self._views_of(buffer))
+    def unpack(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor], *, ready: bool | None = None) -> None:
+        """Copy the flat ``buffer`` into ``targets`` in place (any device). ``ready``: what
+        ``self.ready(targets)`` said just now (asked here if None)."""
+        if not self._copy_native(buffer, targets, to_buffer=False, ready=ready):
+            _copy_all([targets[e.key] for e in self._filled], self._views_of(buffer))
 
-    def _copy_native(self, buffer: torch.Tensor, tensors: list[torch.Tensor], to_buffer: bool,
-                     checked: bool = False) -> bool:
-        """Copy between ``buffer`` and ``tensors`` (the filled entries' own, in order) by one native
-        call if that is exact here: a small layout, the kernels built, everything on the CPU,
-        contiguous, of its entry's dtype and shape, no negative view, a destination that torch
-        would write to (not an inference tensor); ``checked``: ``ready(tensors)`` said so. Bumps
-        the destinations' version counters, as an in-place torch copy does. False (nothing
-        copied) otherwise."""
+    def _copy_native(self, buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], to_buffer: bool,
+                     ready: bool | None) -> bool:
+        """Copy between ``buffer`` and ``tensors`` by one native call if that is exact here: a small
+        layout without complex dtypes, the kernels built, a CPU uint8 buffer, and ``tensors`` that
+        ``self.ready`` accepts (``ready``: its answer, if the caller has it). Bumps the
+        destinations' version counters, as an in-place torch copy does. False (nothing copied)
+        otherwise."""
         regions = self._regions
         if (regions is None or _BUMP_VERSIONS is None or buffer.dtype != torch.uint8 or not buffer.is_cpu
                 or not buffer.is_contiguous() or buffer.numel() < self.nbytes or to_buffer and buffer.is_inference()
-                or (lib := native.kernel()) is None):
+                or not native.available()):
             return False
-        if checked:
-            ptrs = array("q", [t.data_ptr() for t in tensors])
-        else:
-            ptrs = array("q")
-            for e, t in zip(self._filled, tensors):
-                if (t.dtype is not e.torch_dtype or t.shape != e.shape or not t.is_cpu or not t.is_contiguous()
-                        or t.is_neg() or not to_buffer and t.is_inference()):
-                    return False
-                ptrs.append(t.data_ptr())
-        native.copy_regions(lib, buffer.data_ptr(), ptrs, regions[0], regions[1], to_buffer)
-        _BUMP_VERSIONS([buffer] if to_buffer else tensors)
+        if not (self.ready(tensors, write=not to_buffer) if ready is None else ready):
+            return False
+        listed = [tensors[e.key] for e in self._filled]
+        native.copy_regions(buffer.data_ptr(), array("q", [t.data_ptr() for t in listed]), regions[0], regions[1],
+                            to_buffer)
+        _BUMP_VERSIONS([buffer] if to_buffer else listed)
         return True
 
     def adopt(self, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor],

@@ -288,12 +288,13 @@ def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> 
     _need().wsync_scatter(target.data_ptr(), index.data_ptr(), n, target.element_size(), values.data_ptr())
 
 
-def copy_regions(lib: ctypes.CDLL, buffer: int, ptrs: array, offsets: array, lengths: array, to_buffer: bool) -> None:
+def copy_regions(buffer: int, ptrs: array, offsets: array, lengths: array, to_buffer: bool) -> None:
     """Copy ``lengths[i]`` bytes between address ``ptrs[i]`` and ``buffer + offsets[i]`` for each i
-    (into the buffer if ``to_buffer``), with ``lib = kernel()``. The caller vouches for every
-    address: CPU memory it holds, each region inside its tensor and the buffer."""
-    lib.wsync_copy_regions(buffer, ptrs.buffer_info()[0], offsets.buffer_info()[0], lengths.buffer_info()[0],
-                           len(ptrs), int(to_buffer))
+    (into the buffer if ``to_buffer``). The caller vouches for every address: CPU memory it holds,
+    each region inside its tensor and the buffer. Raises RuntimeError where the kernel is not
+    available."""
+    _need().wsync_copy_regions(buffer, ptrs.buffer_info()[0], offsets.buffer_info()[0], lengths.buffer_info()[0],
+                               len(ptrs), int(to_buffer))
 
 
 def _need() -> ctypes.CDLL:
