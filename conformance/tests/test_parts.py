@@ -1,4 +1,5 @@
-"""The suite's own parts: option parsing, version classification, models, pickle inspection."""
+"""The suite's own parts: option parsing, version classification, models, pickle inspection,
+the runner pool, network namespaces."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +16,9 @@ from hypothesis import given, settings
 from wsync_core import WeightSyncScheme
 from wsync_core.weights import flatten
 
-from wsync_conformance import netns
+from wsync_conformance import harness, netns
 from wsync_conformance.context import classify
-from wsync_conformance.models import build, digests, fill, random_values, rich_spec
+from wsync_conformance.models import build, digests, fill, random_values, rich_spec, version_spec
 from wsync_conformance.portable import inspect_pickle
 from wsync_conformance.strategies import model_specs
 from wsync_conformance.target import Target, parse_options
@@ -129,3 +131,27 @@ def test_hosts_reaps_what_a_killed_process_left_and_never_takes_a_subnet_in_use(
 
 def _addresses() -> str:
     return subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.mark.parametrize("leaves_a_listener", [False, True])
+def test_a_runner_goes_back_to_the_pool_only_as_it_came(leaves_a_listener: bool, monkeypatch) -> None:
+    """release() pools a runner whose session closed cleanly, and kills one still listening on a
+    socket after its session closed (a later test would count that socket as its transport's)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the runner, spawned now, imports wsync_broken
+    from wsync_broken import ListenerLeft
+    from wsync_tcp import TcpTransport
+
+    spec = version_spec()
+    scheme = WeightSyncScheme(ListenerLeft() if leaves_a_listener else TcpTransport(), timeout=30.0)
+    scheme.init_on_sender(model=build(spec), num_workers=1)
+    w = harness.Worker(kind="spawn")
+    try:
+        w.open(scheme, spec, "cpu", 0)
+        harness.release([w])
+        assert w.alive() is not leaves_a_listener
+        assert (w in harness._pool["spawn"]) is not leaves_a_listener
+    finally:
+        scheme.shutdown()
+        if w in harness._pool["spawn"]:
+            harness._pool["spawn"].remove(w)
+        w.kill()

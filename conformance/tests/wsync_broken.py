@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -521,6 +522,15 @@ if TcpTransport is not None:
             while self.is_open:  # alive, connected to nothing
                 time.sleep(0.1)
 
+    _LEFT_OPEN: list[socket.socket] = []
+
+    class _LeavesListener(_TcpReceiver):
+        """Listens on a socket of its own, opened with the receiver and never closed (a module keeps it)."""
+
+        def __init__(self, options, ctx: ReceiverContext) -> None:
+            super().__init__(options, ctx)
+            _LEFT_OPEN.append(socket.create_server(("127.0.0.1", 0)))
+
     def _tcp(name: str, sender: type = _TcpSender, receiver: type = _TcpReceiver, heartbeat: float = 10.0) -> type:
         def make_sender(self, ctx: SenderContext):
             return sender(self.options, ctx)
@@ -562,5 +572,20 @@ if TcpTransport is not None:
                   HangsWhenSenderDies="test_faults_sender_killed",
                   NoReconnect="test_faults_link_cut")
     __all__ += ["HoardingSender", "HangsWhenSenderDies", "NoReconnect"]
+
+    ListenerLeft = _tcp("ListenerLeft", receiver=_LeavesListener)
+    BROKEN["ListenerLeft"] = "clean"
+    SELECT["ListenerLeft"] = "test_clean_after_shutdown"
+    __all__ += ["ListenerLeft"]
+
+    def _listens_everywhere(self, **options) -> None:  # its default: every interface, not loopback
+        TcpTransport.__init__(self, **{"host": "0.0.0.0", "advertise": "127.0.0.1", **options})
+
+    ListensEverywhere = type("ListensEverywhere", (TcpTransport,), {"name": "listenseverywhere",
+                                                                    "__init__": _listens_everywhere,
+                                                                    "__module__": __name__})
+    BROKEN["ListensEverywhere"] = "safe"
+    SELECT["ListensEverywhere"] = "test_safe_binds_loopback"
+    __all__ += ["ListensEverywhere"]
 
 __all__ += ["StaleQueued"]

@@ -450,7 +450,8 @@ def serve(conn, process: bool) -> None:
                 if session is not None:
                     session.scheme.shutdown()
                 session = None
-                reply = {"closed": True}
+                # a runner process goes back to the pool only as it came: listening on nothing
+                reply = {"closed": True, "listening": resources.listening_sockets() if process else []}
             elif cmd == "exit":
                 _audit["process"] = False
                 if msg.get("abrupt"):
@@ -805,7 +806,8 @@ def acquire(n: int, process: bool | None = None, *, kind: str | None = None) -> 
 
 
 def release(workers: list[Worker]) -> None:
-    """Close each runner's session and return the healthy ones to the pool (kill the others)."""
+    """Close each runner's session and return the clean ones to the pool; kill the others (dead,
+    failing to close, or still listening on a socket), so no test inherits another's leftovers."""
     for w in workers:
         healthy = w.alive()
         if healthy:
@@ -816,6 +818,7 @@ def release(workers: list[Worker]) -> None:
                     reply = w.recv(30.0, "answer to 'close'")
                     if reply.get("closed") or reply.error:
                         break
+                healthy = bool(reply.get("closed")) and not reply.get("listening")
             except (HarnessError, OSError):
                 healthy = False
         if healthy:

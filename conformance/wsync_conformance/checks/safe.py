@@ -81,16 +81,19 @@ class SafeChecks:
 
     @guarantee("safe")
     def test_safe_binds_loopback(self, wsync: Context) -> None:
-        """Unless told otherwise, every socket the transport listens on is bound to loopback."""
+        """Unless told otherwise, every socket the transport listens on is bound to loopback (in
+        this process, the sockets its session opened; in a receiver's runner, every one)."""
+        before = set(resources.listening_sockets())  # an earlier test's are not this session's
         s = wsync.session(version_spec(), n=2)
-        found = resources.listening_sockets()
+        found = {a: "the sender's process" for a in resources.listening_sockets() if a not in before}
         if wsync.process:
-            for w in s.workers:
-                found += w.request("resources")["listening"]
-        public = [a for a in found if not resources.is_loopback(a)]
+            for i, w in enumerate(s.workers):
+                found.update((a, f"receiver {i}'s process") for a in w.request("resources")["listening"])
+        public = {a: holder for a, holder in found.items() if not resources.is_loopback(a)}
         runtime = trusted_runtime(wsync.target.cls)
         if public and runtime is not None:
             pytest.skip(f"the sockets listening beyond loopback are the trusted runtime's ({runtime[0]}): "
                         f"{len(public)} found")
         if public:
-            raise violated("safe", f"listening on non-loopback addresses by default: {public}")
+            where = ", ".join(f"{a} ({holder})" for a, holder in sorted(public.items()))
+            raise violated("safe", f"listening on non-loopback addresses by default: {where}")
