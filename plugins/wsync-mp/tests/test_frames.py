@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from typing import Any
 
 import torch
 from torch import nn
-from wsync_core import Deadline, WeightSyncScheme
+from wsync_core import Deadline, StateError, WeightSyncScheme
 from wsync_mp.wire import FRAMING, Kind
 
 
@@ -92,6 +93,38 @@ def test_held_frames_never_wait_on_a_worker_that_does_not_ack() -> None:
         sent = len(counting.sent)
         assert endpoint.recv(Deadline(0.05)) is None  # nothing comes: it waits, after sending what it held
         assert counting.kinds()[sent:] == [[Kind.SEEN, Kind.RELEASE]]
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_receive_waits_on_the_socket_itself() -> None:
+    """The receiver starts no thread: the notification wakes the receive waiting for it (no hand-off
+    from a reader thread), and ``shutdown()`` from another thread ends that wait at once."""
+    before = {t.ident for t in threading.enumerate()}
+    sender, model, receiver, _ = _pair()
+    got: list[Any] = []
+    try:
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert all(name.startswith(("wsync-mp-sender", "wsync-sender")) for name in started), started
+        waiting = threading.Thread(target=lambda: got.append(receiver.receive(timeout=120.0)))
+        waiting.start()
+        sender.send_async()
+        waiting.join(60.0)
+        assert got == [1]
+
+        def wait_for_the_next() -> None:
+            try:
+                receiver.receive(timeout=120.0)
+            except StateError as exc:
+                got.append(exc)
+
+        waiting = threading.Thread(target=wait_for_the_next)
+        waiting.start()
+        time.sleep(0.2)  # (it may or may not wait yet: shutdown ends it either way)
+        receiver.shutdown()  # wakes the receive waiting on its socket, long before 120 s
+        waiting.join(60.0)
+        assert not waiting.is_alive() and isinstance(got[1], StateError), got
     finally:
         receiver.shutdown()
         sender.shutdown()

@@ -1,13 +1,16 @@
-"""A worker's side of ``mp``: connect, authenticate, then a reader thread that keeps the newest notification.
+"""A worker's side of ``mp``: connect, authenticate, then read the socket inside ``recv``.
 
-The reader releases a notification as soon as a newer one arrives, so a worker that calls
-``receive`` rarely still pins at most two of the sender's slots. A ``recv`` that finds a
-notification waiting, or bytes unread, probes first and waits (until its deadline) for the
-sender's answer, which follows the newest version the sender held: a worker that was away never
-applies a version that something newer had replaced before it asked. Payloads are private
-copy-on-write maps of the sender's sealed slots, which the core adopts as the model's tensors
-(``zero_copy``) and releases when the model moves on; or read-only maps it copies
-from.
+There is no thread of its own: ``recv`` reads what waits on the socket and, if nothing does,
+waits on it (and on an eventfd ``wake`` writes) until its deadline, so a notification wakes the
+thread that applies it. Of the notifications read, the newest wins; an older one still untaken
+is released at once. A ``recv`` that finds a notification waiting (it arrived before the call)
+probes first and reads on (until its deadline) until the sender's answer, which follows the
+newest version the sender held: a worker that was away never applies a version that something
+newer had replaced before it asked. The sender sends a worker at most one notification it has
+not taken (and one more after a probe), so a worker that stops calling ``receive`` pins at most
+the slot its model views and one untaken. Payloads are private copy-on-write maps of the
+sender's sealed slots, which the core adopts as the model's tensors (``zero_copy``) and releases
+when the model moves on; or read-only maps it copies from.
 
 The SEEN and RELEASE frames that taking and applying a delivery produce are held back and go out
 with its ACK, in one send: the sender's I/O thread then wakes once per version and worker, not
@@ -22,6 +25,7 @@ import logging
 import os
 import secrets
 import select
+import selectors
 import socket
 import threading
 import time
@@ -56,9 +60,10 @@ class MpReceiver(ReceiverEndpoint):
         self.nbytes = ctx.layout.nbytes
         self.peer = f"the mp sender at {address!r}"
         self.sock: socket.socket | None = None
-        self.send_lock = threading.Lock()
-        self.cond = threading.Condition()
-        self.thread: threading.Thread | None = None
+        self.selector: selectors.DefaultSelector | None = None
+        self.wake_fd = -1               # an eventfd the selector also watches: wake() ends a wait at once
+        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
+        self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
         self.maps: dict[int, tuple | None] = {}    # slot -> (mmap, tensor), None if its size is not ours
         self.zero_copy = zero_copy
         self.slot_fds: dict[int, int] = {}         # slot -> its descriptor, kept for private maps
@@ -68,6 +73,7 @@ class MpReceiver(ReceiverEndpoint):
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         self.closing = False
         self.woken = False              # the scheme is shutting down: recv returns at once
+        self.drained = False            # the delivery just returned came from a read that emptied the socket
         self.probes = 0                 # the number of the last probe sent
         self.answered = 0               # the number of the last probe the sender answered
         #: SEEN/RELEASE frames held back (under send_lock) to go out with the next ack in one send
@@ -87,44 +93,48 @@ class MpReceiver(ReceiverEndpoint):
                                      f"within {deadline.timeout:g} s", []) from None
         except OSError as exc:
             raise TransportError(f"worker {self.worker}: handshake with {self.peer} failed: {exc}") from None
-        self.sock.settimeout(None)
-        self.thread = threading.Thread(target=self._run, name=f"wsync-mp-receiver {self.worker}", daemon=True)
-        self.thread.start()
+        self.sock.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.selector.register(self.wake_fd, selectors.EVENT_READ)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         """The newest notification's payload, waiting until the deadline; None if none came. If one
-        waited (or bytes were unread) when called, first probe and wait for the answer, so what this
-        returns is never older than what the sender published before the call. Raises
-        TransportError once the connection failed and nothing is left to deliver."""
+        waited when called, first probe and wait for the answer, so what this returns is never older
+        than what the sender published before the call. Raises TransportError once the connection
+        failed and nothing is left to deliver."""
+        if self.sock is None:
+            raise TransportError(f"worker {self.worker}: the mp receiver is closed")
         if self.idle_recvs >= 1:  # a delivery was taken two calls ago and no ack followed: send what is held
             self._send(b"")
-        with self.cond:
-            waited = self.ended is None and not self.woken and not deadline.expired() and self._waited()
-            if waited:
-                self.probes += 1
-                probe = self.probes
-        if waited:
+        # a poll while the delivery just returned is still held, whose read emptied the socket (the
+        # core looking for a newer one before it applies it), would read nothing but a system
+        # call's time: what arrives meanwhile the next call takes
+        drained = self._read() if not (self.drained and deadline.expired()) else True
+        self.drained = False
+        if self.newest is not None and self.ended is None and not self.woken and not deadline.expired():
+            self.probes += 1  # it waited: the sender answers after the newest version it holds
+            probe = self.probes
             self._send(FRAMING.encode(Kind.PROBE, arg=probe))  # (held frames go first)
-            with self.cond:
-                while (self.answered < probe and self.ended is None and not self.woken
-                       and not deadline.expired()):
-                    self.cond.wait(deadline.slice(1.0))
+            while self.answered < probe and self.ended is None and not self.woken and not deadline.expired():
+                drained = self._wait(deadline)
         if self.idle_recvs >= 0 and self.newest is None and not deadline.expired():
             self._send(b"")  # about to wait: the sender must not wait for what is held meanwhile
-        with self.cond:
-            while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
-                self.cond.wait(deadline.slice(1.0))
-            if self.newest is None or self.woken:
-                with self.send_lock:
-                    if self.idle_recvs >= 0:
-                        self.idle_recvs += 1
-                if self.failed:
-                    raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
-                                         f"version it applied")
-                return None
-            index, header = self.newest
-            self.newest = None
-            mapped = self.maps.get(index)
+        while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
+            drained = self._wait(deadline)
+        if self.newest is None or self.woken:
+            with self.send_lock:
+                if self.idle_recvs >= 0:
+                    self.idle_recvs += 1
+            if self.failed:
+                raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
+                                     f"version it applied")
+            return None
+        index, header = self.newest
+        self.newest = None
+        self.drained = drained
+        mapped = self.maps.get(index)
         with self.send_lock:  # taken: the sender may notify the next one (held back until the ack, sent with it)
             self.held += FRAMING.encode(Kind.SEEN, arg=index)
             self.idle_recvs = 0
@@ -134,6 +144,7 @@ class MpReceiver(ReceiverEndpoint):
             nonlocal released
             if not released:
                 released = True
+                self.drained = False
                 self._release(index)
 
         if mapped is None:
@@ -143,38 +154,33 @@ class MpReceiver(ReceiverEndpoint):
             return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
         return Delivery(header, mapped[1], release)
 
-    def _waited(self) -> bool:
-        """Whether a notification waits or bytes are unread (with ``self.cond`` held)."""
-        if self.newest is not None:
-            return True
-        try:
-            return bool(select.select([self.sock], [], [], 0)[0])
-        except (OSError, ValueError):  # closed meanwhile: the reader reports it
-            return False
-
     def ack(self, data: bytes) -> None:
         """Send the ack, with the SEEN and RELEASE frames held back since the delivery was taken, in one send."""
         self._send(FRAMING.encode(Kind.ACK, data))
 
     def wake(self) -> None:
-        with self.cond:
-            self.woken = True
-            self.cond.notify_all()
+        self.woken = True
+        if self.wake_fd >= 0:
+            try:
+                os.eventfd_write(self.wake_fd, 1)
+            except OSError:  # closed meanwhile: nothing waits on it any more
+                pass
 
     def close(self) -> None:
-        with self.cond:
-            if self.closing:
-                return
-            self.closing = True
-            self.cond.notify_all()
+        if self.closing:
+            return
+        self.closing = True
         _live.discard(self)
         if self.sock is not None:
             try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; the sender sees Left at once
+                self.sock.shutdown(socket.SHUT_RDWR)  # the sender sees Left at once
             except OSError:
                 pass
-        if self.thread is not None:
-            self.thread.join(10.0)
+        if self.selector is not None:
+            self.selector.close()
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
         self._release_fds()
 
     # -- connection set-up --------------------------------------------------------------------
@@ -220,41 +226,54 @@ class MpReceiver(ReceiverEndpoint):
             raise TransportError(f"worker {self.worker}: {self.peer} sent a malformed {kind.name} frame")
         return frames[0]
 
-    # -- the reader thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
-        ended, failed = "", False
-        try:
-            while not ended:
+    # -- reading (in recv) ------------------------------------------------------------------------
+    def _wait(self, deadline: Deadline) -> bool:
+        """Wait until the socket is readable, ``wake`` was called or the deadline passed, then read."""
+        left = deadline.remaining()
+        self.selector.select(None if left == float("inf") else left)
+        return self._read()
+
+    def _read(self) -> bool:
+        """Take in every frame waiting on the socket; True if it was found empty at the end. A
+        failed or closed connection sets ``ended`` (and ``failed`` unless it was a clean goodbye)."""
+        while self.ended is None:
+            try:
                 data, fds, flags, _ = socket.recv_fds(self.sock, _READ_CHUNK, MAX_FDS)
-                self.fds.extend(fds)
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                self._end(f"connection to {self.peer} failed: {exc}", True)
+                return False
+            self.fds.extend(fds)
+            try:
                 if flags & socket.MSG_CTRUNC or len(self.fds) > MAX_FDS:
                     raise TransportError(f"{self.peer} sent more descriptors than it announced")
                 if not data:
-                    ended, failed = (f"{self.peer} closed the connection without a goodbye "
-                                     f"(it exited or was killed)"), True
-                    break
-                for frame in reader.feed(data):
+                    self._end(f"{self.peer} closed the connection without a goodbye (it exited or was killed)", True)
+                    return False
+                for frame in self.reader.feed(data):
                     if frame.kind is Kind.CLOSE:
                         reason = frame.body.decode("utf-8", "replace")
-                        ended, failed = (f"{self.peer} refused this worker: {reason}", True) if reason else \
-                            (f"{self.peer} shut down", False)
-                        break
+                        if reason:
+                            self._end(f"{self.peer} refused this worker: {reason}", True)
+                        else:
+                            self._end(f"{self.peer} shut down", False)
+                        return False
                     if frame.kind is Kind.ANSWER:
-                        with self.cond:
-                            self.answered = max(self.answered, frame.arg)
-                            self.cond.notify_all()
-                        continue
-                    self._notify(frame)
-        except (OSError, TransportError) as exc:
-            ended, failed = f"connection to {self.peer} failed: {exc}", True
-        if self.closing:
-            return
-        if failed:
-            log.warning("mp worker %d: %s", self.worker, ended)
-        with self.cond:
-            self.ended, self.failed = ended, failed
-            self.cond.notify_all()
+                        self.answered = max(self.answered, frame.arg)
+                    else:
+                        self._notify(frame)
+            except TransportError as exc:
+                self._end(f"connection to {self.peer} failed: {exc}", True)
+                return False
+            if len(data) < _READ_CHUNK:  # drained (more may come: the next call reads it)
+                return True
+        return False
+
+    def _end(self, why: str, failed: bool) -> None:
+        if failed and not self.closing:
+            log.warning("mp worker %d: %s", self.worker, why)
+        self.ended, self.failed = why, failed
 
     def _notify(self, frame: Frame) -> None:
         index = frame.arg
@@ -275,9 +294,7 @@ class MpReceiver(ReceiverEndpoint):
                     os.close(fd)
         elif index not in self.maps:
             raise TransportError(f"{self.peer} named slot {index} without sending its descriptor")
-        with self.cond:
-            older, self.newest = self.newest, (index, frame.body)
-            self.cond.notify_all()
+        older, self.newest = self.newest, (index, frame.body)
         if older is not None:
             self._release(older[0])
 
@@ -309,7 +326,7 @@ class MpReceiver(ReceiverEndpoint):
                         if left <= 0:
                             raise TimeoutError(f"no room to send for {_SEND_TIMEOUT:g} s") from None
                         select.select([], [self.sock], [], min(left, 1.0))
-            except OSError as exc:  # the reader sees the same failure and recv reports it
+            except OSError as exc:  # the next read sees the same failure and recv reports it
                 log.debug("mp worker %d: send to the sender failed: %s", self.worker, exc)
                 try:
                     self.sock.shutdown(socket.SHUT_RDWR)
@@ -333,10 +350,13 @@ class MpReceiver(ReceiverEndpoint):
     def _forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the descriptors, touch nothing else."""
         self.closing = True
-        self.cond = threading.Condition()
-        self.thread = None
         if self.sock is not None:
             self.sock.close()
+        if self.selector is not None:
+            self.selector.close()
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()

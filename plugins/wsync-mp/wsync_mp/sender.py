@@ -44,7 +44,7 @@ log = logging.getLogger("wsync.mp")
 
 #: notifications a worker may hold unreleased: the one its model views until it acks a newer one,
 #: the one its receive() took last, and one more (sent once that was taken, or on a probe), which
-#: the reader answers by releasing the older untaken one; so a worker that stops receiving pins
+#: the worker's receive answers by releasing the older untaken one; so a worker that stops receiving pins
 #: one untaken slot beyond its model's, and the pending newest follows its probe when it wakes
 _OUTSTANDING = 3
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
