@@ -39,7 +39,8 @@ from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from wsync_core.framing import PREFIX, Frame
 
-from .wire import FLAG_FD, FRAMING, MAX_FDS, MAX_SLOTS, NONCE_BYTES, Kind, mac, make_socket, map_slot, sockaddr
+from .wire import (FLAG_FD, FRAMING, MAX_FDS, MAX_SLOTS, NONCE_BYTES, Kind, mac, make_socket, map_slot, slot_fits,
+                   sockaddr)
 
 __all__ = ["MpReceiver"]
 
@@ -49,6 +50,7 @@ _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs 
 #: how long an ack or release may wait for room in the socket before the connection counts as dead
 _SEND_TIMEOUT = 30.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_PRIVATE = ()
 _live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
 
@@ -64,7 +66,8 @@ class MpReceiver(ReceiverEndpoint):
         self.wake_fd = -1               # an eventfd the selector also watches: wake() ends a wait at once
         self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
-        self.maps: dict[int, tuple | None] = {}    # slot -> (mmap, tensor), None if its size is not ours
+        #: slot -> (mmap, tensor), _PRIVATE (zero-copy: mapped per delivery), None if its size is not ours
+        self.maps: dict[int, tuple | None] = {}
         self.zero_copy = zero_copy
         self.slot_fds: dict[int, int] = {}         # slot -> its descriptor, kept for private maps
         self.fds: deque[int] = deque()
@@ -286,9 +289,13 @@ class MpReceiver(ReceiverEndpoint):
             try:
                 if index in self.maps:
                     raise TransportError(f"{self.peer} sent a second descriptor for slot {index}")
-                self.maps[index] = map_slot(fd, self.nbytes, self.peer)
-                if self.zero_copy and self.maps[index] is not None:
+                if not self.zero_copy:
+                    self.maps[index] = map_slot(fd, self.nbytes, self.peer)
+                elif slot_fits(fd, self.nbytes, self.peer):  # mapped privately per delivery: no shared map
+                    self.maps[index] = _PRIVATE
                     self.slot_fds[index], fd = fd, -1
+                else:
+                    self.maps[index] = None
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -339,7 +346,7 @@ class MpReceiver(ReceiverEndpoint):
         while self.fds:
             os.close(self.fds.popleft())
         self._close_slot_fds()
-        maps = [mapped[0] for mapped in self.maps.values() if mapped is not None]
+        maps = [mapped[0] for mapped in self.maps.values() if mapped]
         self.maps.clear()  # drops this endpoint's views, so only the core's can keep a map alive
         for mm in maps:
             try:

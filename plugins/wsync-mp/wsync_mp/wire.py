@@ -25,7 +25,7 @@ from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
     "Kind", "FRAMING", "NONCE_BYTES", "MAX_FDS",
-    "mac", "make_socket", "sockaddr", "map_slot",
+    "mac", "make_socket", "sockaddr", "slot_fits", "map_slot",
 ]
 
 MAGIC = b"WSMP"
@@ -77,8 +77,8 @@ def make_socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
-def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] | None:
-    """Map a received slot read-only; None if its size is not this receiver's ``nbytes``.
+def slot_fits(fd: int, nbytes: int, peer: str) -> bool:
+    """Whether the received slot ``fd`` holds this receiver's ``nbytes`` (a sealed memfd of that size).
 
     Raises TransportError if ``fd`` is not a sealed memory file (a hostile sender could
     otherwise shrink it under the reader).
@@ -90,6 +90,12 @@ def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] 
         raise TransportError(f"{peer} passed a descriptor that is not a sealed memfd: {exc}") from None
     if seals & SEALS != SEALS:
         raise TransportError(f"{peer} passed a memfd without shrink/grow seals (seals {seals:#x})")
-    if size != max(nbytes, 1):
+    return size == max(nbytes, 1)
+
+
+def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] | None:
+    """Map a received slot read-only; None if its size is not this receiver's ``nbytes``. Raises
+    TransportError as ``slot_fits``."""
+    if not slot_fits(fd, nbytes, peer):
         return None
-    return map_shared(fd, size, nbytes=nbytes)
+    return map_shared(fd, max(nbytes, 1), nbytes=nbytes)
