@@ -34,6 +34,7 @@ class Slot:
         self.path = path
         self._fd = fd
         self._mm = mm
+        self._size = os.fstat(fd).st_size
         self.payload = payload
         self._locks = 0
         self._guard = threading.Lock()  # a lease may give a lock back from another thread
@@ -47,8 +48,10 @@ class Slot:
         return cls(path, slot.fd, slot.map, slot.tensor, writable=True)
 
     @classmethod
-    def open(cls, path: str) -> Slot:
-        """Map an existing slot file read-only; raises TransportError if it is missing or malformed."""
+    def open(cls, path: str, *, shared_payload: bool = True) -> Slot:
+        """Map an existing slot file read-only; with ``shared_payload=False`` only its head (a
+        zero-copy reader maps the payload privately per delivery: ``private_payload``), and
+        ``payload`` is empty. Raises TransportError if the file is missing or malformed."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -57,7 +60,7 @@ class Slot:
             size = os.fstat(fd).st_size
             if size < HEAD:
                 raise TransportError(f"shared-memory file {path} has {size} bytes, expected at least {HEAD}")
-            mm, payload = memory.map_shared(fd, size, offset=HEAD)
+            mm, payload = memory.map_shared(fd, size if shared_payload else HEAD, offset=HEAD)
         except BaseException:
             os.close(fd)
             raise
@@ -66,7 +69,7 @@ class Slot:
     def private_payload(self) -> torch.Tensor:
         """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
         this process. It follows the slot only while this process holds a lock on it."""
-        return memory.map_private(self._fd, HEAD, len(self._mm) - HEAD)
+        return memory.map_private(self._fd, HEAD, self._size - HEAD)
 
     # -- generation and locks ---------------------------------------------------------------
     @property

@@ -467,7 +467,8 @@ class _Receiver(ReceiverEndpoint):
         if slot is None:
             if index >= 4096:
                 raise TransportError(f"worker {self._worker}: the shm sender named slot {index}")
-            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index))
+            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index),
+                                                  shared_payload=not self._zero_copy)
         if not slot.try_lock(exclusive=False):
             return None
         if slot.gen != gen:
