@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import select
 import threading
 import time
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsync_core import (Acked, Buffer, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
-                        SenderContext, TransportError, WorkerTimeoutError)
+                        SenderContext, TransportError, Wakeup, WorkerTimeoutError)
 from wsync_core.protocol import MAX_HEADER_BYTES
 
 LAYOUT = Layout.of({"w": torch.zeros(4)})
@@ -53,6 +54,24 @@ def test_deadline_timeouts_never_overflow() -> None:
     assert forever.seconds() is None and forever.milliseconds() == -1
     assert 0 < Deadline(0.5).seconds() <= 0.5 and Deadline(0.0015).milliseconds() in (1, 2)
     assert Deadline(0).milliseconds() == 0
+
+
+def test_a_wakeup_ends_a_select_from_another_thread_and_stays_set() -> None:
+    """``set()`` from another thread makes a select on ``fd`` return; a set before ``open()``
+    leaves the new descriptor readable; ``close()`` is idempotent and the flag stays."""
+    w = Wakeup()
+    fd = w.open()
+    assert not w.is_set and select.select([fd], [], [], 0)[0] == []
+    threading.Timer(0.05, w.set).start()
+    assert select.select([fd], [], [], 60.0)[0] == [fd] and w.is_set
+    w.close()
+    w.close()
+    w.set()  # after close: only the flag
+    assert w.is_set and w.fd == -1
+    early = Wakeup()
+    early.set()
+    assert select.select([early.open()], [], [], 0)[0] == [early.fd]
+    early.close()
 
 
 def test_calls_before_open_and_after_close_raise_naming_the_transport() -> None:

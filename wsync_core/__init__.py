@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .deadline import Deadline
+from .deadline import Deadline, Wakeup
 from .endpoints import ReceiverBase, SenderBase
 from .errors import (
     SchemaMismatchError,
@@ -79,6 +79,7 @@ __all__ = [
     "Left",
     "Event",
     "Deadline",
+    "Wakeup",
     "Layout",
     "free_port",
     "zero_copy_for",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
-__all__ = ["Deadline", "POLL"]
+__all__ = ["Deadline", "POLL", "Wakeup"]
 
 
 class Deadline:
@@ -51,3 +52,34 @@ class Deadline:
 
 #: a deadline that has already passed: a call given it polls (it waits for nothing)
 POLL = Deadline(0.0)
+
+
+class Wakeup:
+    """What ``wake()`` needs in an endpoint that waits in ``select`` or ``poll``: a flag that stays
+    set, and an eventfd (``fd``, from ``open()`` to ``close()``) that the wait also watches."""
+
+    __slots__ = ("is_set", "fd")
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self.fd = -1
+
+    def open(self) -> int:
+        """Make the eventfd (readable at once if ``set`` came first) and return it."""
+        self.fd = os.eventfd(1 if self.is_set else 0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return self.fd
+
+    def set(self) -> None:
+        """Set the flag and make ``fd`` readable, from any thread; stays set."""
+        self.is_set = True
+        if self.fd >= 0:
+            try:
+                os.eventfd_write(self.fd, 1)
+            except OSError:  # closed meanwhile: nothing waits on it any more
+                pass
+
+    def close(self) -> None:
+        """Close the eventfd; idempotent (the flag stays as it is)."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

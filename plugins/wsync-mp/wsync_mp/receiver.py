@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 
 import torch
-from wsync_core import Deadline, TransportError, WorkerTimeoutError
+from wsync_core import Deadline, TransportError, Wakeup, WorkerTimeoutError
 from wsync_core.memory import map_private, populate
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
@@ -63,7 +63,7 @@ class MpReceiver(ReceiverEndpoint):
         self.peer = f"the mp sender at {address!r}"
         self.sock: socket.socket | None = None
         self.selector: selectors.DefaultSelector | None = None
-        self.wake_fd = -1               # an eventfd the selector also watches: wake() ends a wait at once
+        self.wakeup = Wakeup()          # wake(): the scheme is shutting down, recv returns at once
         self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
         #: slot -> (mmap, tensor), _PRIVATE (zero-copy: mapped per delivery), None if its size is not ours
@@ -75,7 +75,6 @@ class MpReceiver(ReceiverEndpoint):
         self.ended: str | None = None   # why the connection ended
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         self.closing = False
-        self.woken = False              # the scheme is shutting down: recv returns at once
         self.drained = False            # the delivery just returned came from a read that emptied the socket
         self.probes = 0                 # the number of the last probe sent
         self.answered = 0               # the number of the last probe the sender answered
@@ -99,8 +98,7 @@ class MpReceiver(ReceiverEndpoint):
         self.sock.setblocking(False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
-        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.selector.register(self.wake_fd, selectors.EVENT_READ)
+        self.selector.register(self.wakeup.open(), selectors.EVENT_READ)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         """The newest notification's payload, waiting until the deadline; None if none came. If one
@@ -116,17 +114,18 @@ class MpReceiver(ReceiverEndpoint):
         # call's time: what arrives meanwhile the next call takes
         drained = self._read() if not (self.drained and deadline.expired()) else True
         self.drained = False
-        if self.newest is not None and self.ended is None and not self.woken and not deadline.expired():
+        if self.newest is not None and self.ended is None and not self.wakeup.is_set and not deadline.expired():
             self.probes += 1  # it waited: the sender answers after the newest version it holds
             probe = self.probes
             self._send(FRAMING.encode(Kind.PROBE, arg=probe))  # (held frames go first)
-            while self.answered < probe and self.ended is None and not self.woken and not deadline.expired():
+            while (self.answered < probe and self.ended is None and not self.wakeup.is_set
+                   and not deadline.expired()):
                 drained = self._wait(deadline)
         if self.idle_recvs >= 0 and self.newest is None and not deadline.expired():
             self._send(b"")  # about to wait: the sender must not wait for what is held meanwhile
-        while self.newest is None and self.ended is None and not self.woken and not deadline.expired():
+        while self.newest is None and self.ended is None and not self.wakeup.is_set and not deadline.expired():
             drained = self._wait(deadline)
-        if self.newest is None or self.woken:
+        if self.newest is None or self.wakeup.is_set:
             with self.send_lock:
                 if self.idle_recvs >= 0:
                     self.idle_recvs += 1
@@ -162,12 +161,7 @@ class MpReceiver(ReceiverEndpoint):
         self._send(FRAMING.encode(Kind.ACK, data))
 
     def wake(self) -> None:
-        self.woken = True
-        if self.wake_fd >= 0:
-            try:
-                os.eventfd_write(self.wake_fd, 1)
-            except OSError:  # closed meanwhile: nothing waits on it any more
-                pass
+        self.wakeup.set()
 
     def close(self) -> None:
         if self.closing:
@@ -181,9 +175,7 @@ class MpReceiver(ReceiverEndpoint):
                 pass
         if self.selector is not None:
             self.selector.close()
-        if self.wake_fd >= 0:
-            os.close(self.wake_fd)
-            self.wake_fd = -1
+        self.wakeup.close()
         self._release_fds()
 
     # -- connection set-up --------------------------------------------------------------------
@@ -232,8 +224,7 @@ class MpReceiver(ReceiverEndpoint):
     # -- reading (in recv) ------------------------------------------------------------------------
     def _wait(self, deadline: Deadline) -> bool:
         """Wait until the socket is readable, ``wake`` was called or the deadline passed, then read."""
-        left = deadline.remaining()
-        self.selector.select(None if left == float("inf") else left)
+        self.selector.select(deadline.seconds())
         return self._read()
 
     def _read(self) -> bool:
@@ -361,9 +352,7 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         if self.selector is not None:
             self.selector.close()
-        if self.wake_fd >= 0:
-            os.close(self.wake_fd)
-            self.wake_fd = -1
+        self.wakeup.close()
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()

@@ -50,6 +50,7 @@ from wsync_core import (
     SenderEndpoint,
     Transport,
     TransportError,
+    Wakeup,
     WorkerTimeoutError,
     zero_copy_for,
 )
@@ -366,8 +367,7 @@ class _Receiver(ReceiverEndpoint):
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
-        self._woken = False
-        self._wake_fd = -1  # an eventfd the selector also watches: wake() ends a wait at once
+        self._wakeup = Wakeup()  # wake(): the scheme is shutting down, recv returns at once
         self._drained = False  # the delivery just returned came from a read that emptied the socket
 
     def open(self, deadline: Deadline) -> None:
@@ -393,16 +393,10 @@ class _Receiver(ReceiverEndpoint):
         self._sock = sock
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._selector.register(self._wake_fd, selectors.EVENT_READ)
+        self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
 
     def wake(self) -> None:
-        self._woken = True
-        if self._wake_fd >= 0:
-            try:
-                os.eventfd_write(self._wake_fd, 1)
-            except OSError:  # closed meanwhile: nothing waits on it any more
-                pass
+        self._wakeup.set()
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self._sock is None:
@@ -412,7 +406,7 @@ class _Receiver(ReceiverEndpoint):
         # time: what arrives meanwhile the next call takes
         read, self._drained = not (self._drained and deadline.expired()), False
         while True:
-            if self._woken:
+            if self._wakeup.is_set:
                 return None
             drained = self._read() if read else False
             read = True
@@ -533,9 +527,7 @@ class _Receiver(ReceiverEndpoint):
         if self._selector is not None:
             self._selector.close()
             self._selector = None
-        if self._wake_fd >= 0:
-            os.close(self._wake_fd)
-            self._wake_fd = -1
+        self._wakeup.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -16,10 +16,9 @@ become views of it instead of copies (the frame lives as long as a tensor views 
 from __future__ import annotations
 
 import math
-import os
 
 import zmq
-from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError
+from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError, Wakeup
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, WANT, Hello, decode_answer,
@@ -57,7 +56,7 @@ class ZmqReceiver(ReceiverBase):
         self._wanted = False  # a want or probe is out and no delivery answered it yet
         self._probe = 0  # the number of the last probe sent
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
-        self._wake_fd = -1  # an eventfd the poller also watches: wake() ends a wait at once
+        self._wakeup = Wakeup()  # its eventfd, in the poller, ends a wait at once (the base keeps the flag)
 
     def start(self, deadline: Deadline) -> None:
         opts = self._options
@@ -80,8 +79,7 @@ class ZmqReceiver(ReceiverBase):
             raise wrap(exc, f"worker {self._worker} connecting to {opts['address']}") from exc
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._poller.register(self._wakeup.open(), zmq.POLLIN)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         self.check_open()
@@ -124,11 +122,7 @@ class ZmqReceiver(ReceiverBase):
 
     def wake(self) -> None:
         super().wake()
-        if self._wake_fd >= 0:
-            try:
-                os.eventfd_write(self._wake_fd, 1)
-            except OSError:  # closed meanwhile: nothing waits on it any more
-                pass
+        self._wakeup.set()
 
     def _read_monitor(self) -> None:
         for event in monitor_events(self._monitor):
@@ -206,10 +200,9 @@ class ZmqReceiver(ReceiverBase):
     def stop(self) -> None:
         sock, monitor, context = self._sock, self._monitor, self._context
         self._sock = self._monitor = self._context = None
-        if self._wake_fd >= 0:
-            self._poller.unregister(self._wake_fd)
-            os.close(self._wake_fd)
-            self._wake_fd = -1
+        if self._wakeup.fd >= 0:
+            self._poller.unregister(self._wakeup.fd)
+            self._wakeup.close()
         if context is None:
             return
         try:
