@@ -30,11 +30,11 @@ class Slot:
     """One mapped slot file (``wsync_core.memory``) with a head; ``payload`` is a uint8 tensor over
     its payload bytes."""
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, payload: torch.Tensor, writable: bool) -> None:
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, payload: torch.Tensor, writable: bool, size: int) -> None:
         self.path = path
         self._fd = fd
         self._mm = mm
-        self._size = os.fstat(fd).st_size
+        self._size = size  # of the file: the head and the payload
         self.payload = payload
         self._locks = 0
         self._guard = threading.Lock()  # a lease may give a lock back from another thread
@@ -45,7 +45,7 @@ class Slot:
     def create(cls, path: str, nbytes: int) -> Slot:
         """Create, size and map a new slot file; raises TransportError if it exists or /dev/shm is full."""
         slot = memory.Slot.file(path, nbytes, offset=HEAD)
-        return cls(path, slot.fd, slot.map, slot.tensor, writable=True)
+        return cls(path, slot.fd, slot.map, slot.tensor, writable=True, size=HEAD + nbytes)
 
     @classmethod
     def open(cls, path: str, *, shared_payload: bool = True) -> Slot:
@@ -64,7 +64,7 @@ class Slot:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, payload, writable=False)
+        return cls(path, fd, mm, payload, writable=False, size=size)
 
     def private_payload(self) -> torch.Tensor:
         """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
