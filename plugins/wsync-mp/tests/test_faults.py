@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import fcntl
 import multiprocessing
 import os
 import pickle
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mp_fault_workers as fw  # noqa: E402
 from wsync_core.framing import PREFIX  # noqa: E402
+from wsync_core.memory import SEALS  # noqa: E402
 from wsync_core.protocol import Ack  # noqa: E402
 from wsync_mp.wire import FRAMING, NONCE_BYTES, Kind, mac  # noqa: E402
 
@@ -345,18 +347,19 @@ class FakeSender:
         self.listener.close()
 
 
-def _bad_fd_frame(conn: socket.socket) -> None:
-    fd = os.memfd_create("unsealed")  # no seals: it could shrink under the reader
+def _fd_frame(conn: socket.socket, frame: bytes, size: int, sealed: bool) -> None:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, 4096)
-        conn.sendmsg([FRAMING.encode(Kind.NOTIFY, b"{}", arg=0, flags=1)],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        os.ftruncate(fd, size)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     finally:
         os.close(fd)
 
 
 @pytest.mark.parametrize("attack", ["bad-magic", "oversized-header", "unknown-slot", "unsealed-memfd", "fd-missing",
-                                    "truncated"])
+                                    "truncated", "unsealed-board", "short-board", "board-without-fd"])
 def test_receiver_refuses_hostile_sender(attack):
     """Whatever a hostile (authenticated) sender sends, receive raises TransportError and the model is untouched."""
     address = f"@wsync-mp-test-{os.getpid()}-{attack}"
@@ -376,8 +379,14 @@ def test_receiver_refuses_hostile_sender(attack):
             conn.sendall(PREFIX.pack(b"WSMP", Kind.NOTIFY, 0, 0, 2**32 - 1, 0))
         elif attack == "unknown-slot":
             conn.sendall(FRAMING.encode(Kind.NOTIFY, b"{}", arg=3))
-        elif attack == "unsealed-memfd":
-            _bad_fd_frame(conn)
+        elif attack == "unsealed-memfd":  # no seals: it could shrink under the reader
+            _fd_frame(conn, FRAMING.encode(Kind.NOTIFY, b"{}", arg=0, flags=1), 4096, sealed=False)
+        elif attack == "unsealed-board":
+            _fd_frame(conn, FRAMING.encode(Kind.BOARD, flags=1), 8, sealed=False)
+        elif attack == "short-board":  # no word for worker 0
+            _fd_frame(conn, FRAMING.encode(Kind.BOARD, flags=1), 4, sealed=True)
+        elif attack == "board-without-fd":
+            conn.sendall(FRAMING.encode(Kind.BOARD, flags=1))
         elif attack == "fd-missing":
             conn.sendall(FRAMING.encode(Kind.NOTIFY, b"{}", arg=0, flags=1))
         elif attack == "truncated":

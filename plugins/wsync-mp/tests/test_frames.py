@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import select
 import threading
 import time
 from typing import Any
@@ -125,6 +126,29 @@ def test_a_receive_waits_on_the_socket_itself() -> None:
         receiver.shutdown()  # wakes the receive waiting on its socket, long before 120 s
         waiting.join(60.0)
         assert not waiting.is_alive() and isinstance(got[1], StateError), got
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_waiting_notification_is_probed_only_when_something_newer_is_pending() -> None:
+    """A worker back from a rollout finds a notification waiting: if the sender's board says it is
+    the newest published to this worker, the receive takes it without a round trip to the sender;
+    if a newer one is pending in the sender, it probes and applies that one."""
+    sender, model, receiver, counting = _pair()
+    endpoint = receiver._role.endpoint
+    try:
+        sender.send_async()
+        assert select.select([endpoint.sock], [], [], 30.0)[0], "the notification never came"
+        assert receiver.receive(timeout=30.0) == 1
+        assert not any(Kind.PROBE in k for k in counting.kinds()), counting.kinds()
+
+        sender.send_async()  # version 2, notified and left waiting
+        assert select.select([endpoint.sock], [], [], 30.0)[0], "the notification never came"
+        sender.send_async()  # version 3 stays pending in the sender: version 2 was not taken yet
+        assert receiver.receive(timeout=30.0) == 3
+        assert any(Kind.PROBE in k for k in counting.kinds()), counting.kinds()
+        assert endpoint.probes == 1
     finally:
         receiver.shutdown()
         sender.shutdown()

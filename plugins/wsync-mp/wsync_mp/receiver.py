@@ -4,9 +4,12 @@ There is no thread of its own: ``recv`` reads what waits on the socket and, if n
 waits on it (and on an eventfd ``wake`` writes) until its deadline, so a notification wakes the
 thread that applies it. Of the notifications read, the newest wins; an older one still untaken
 is released at once. A ``recv`` that finds a notification waiting (it arrived before the call)
-probes first and reads on (until its deadline) until the sender's answer, which follows the
-newest version the sender held: a worker that was away never applies a version that something
-newer had replaced before it asked. The sender sends a worker at most one notification it has
+looks at its word of the sender's board, the number of the last publish to this worker: if the
+notification carries that number, nothing newer was published and it is taken at once; otherwise
+the newer one is still in the sender, which sends at most one untaken notification, and ``recv``
+probes and reads on (until its deadline) until the sender's answer, which follows the newest
+version the sender held. So a worker that was away never applies a version that something newer
+had replaced before it asked, and pays a round trip to the sender only when something had. The sender sends a worker at most one notification it has
 not taken (and one more after a probe), so a worker that stops calling ``receive`` pins at most
 the slot its model views and one untaken. Payloads are private copy-on-write maps of the
 sender's sealed slots, which the core adopts as the model's tensors (``zero_copy``) and releases
@@ -22,6 +25,7 @@ delivery was taken if no ack came in between.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import select
@@ -39,8 +43,8 @@ from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from wsync_core.framing import PREFIX, Frame
 
-from .wire import (FLAG_FD, FRAMING, MAX_FDS, MAX_SLOTS, NONCE_BYTES, Kind, mac, make_socket, map_slot, slot_fits,
-                   sockaddr)
+from .wire import (FLAG_FD, FRAMING, MAX_FDS, MAX_SLOTS, NONCE_BYTES, Kind, mac, make_socket, map_board, map_slot,
+                   slot_fits, sockaddr)
 
 __all__ = ["MpReceiver"]
 
@@ -64,14 +68,16 @@ class MpReceiver(ReceiverEndpoint):
         self.sock: socket.socket | None = None
         self.selector: selectors.DefaultSelector | None = None
         self.wakeup = Wakeup()          # wake(): the scheme is shutting down, recv returns at once
-        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER}))
+        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
         #: slot -> (mmap, tensor), _PRIVATE (zero-copy: mapped per delivery), None if its size is not ours
         self.maps: dict[int, tuple | None] = {}
         self.zero_copy = zero_copy
         self.slot_fds: dict[int, int] = {}         # slot -> its descriptor, kept for private maps
         self.fds: deque[int] = deque()
-        self.newest: tuple[int, bytes] | None = None
+        self.newest: tuple[int, bytes, int] | None = None  # (slot, header, publish number)
+        self.board: mmap.mmap | None = None
+        self.marks: memoryview | None = None  # the board's words (this worker's: the last publish to it)
         self.ended: str | None = None   # why the connection ended
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         self.closing = False
@@ -114,7 +120,8 @@ class MpReceiver(ReceiverEndpoint):
         # call's time: what arrives meanwhile the next call takes
         drained = self._read() if not (self.drained and deadline.expired()) else True
         self.drained = False
-        if self.newest is not None and self.ended is None and not self.wakeup.is_set and not deadline.expired():
+        if (self.newest is not None and self.ended is None and not self.wakeup.is_set and not deadline.expired()
+                and (self.marks is None or self.marks[self.worker] != self.newest[2])):
             self.probes += 1  # it waited: the sender answers after the newest version it holds
             probe = self.probes
             self._send(FRAMING.encode(Kind.PROBE, arg=probe))  # (held frames go first)
@@ -133,7 +140,7 @@ class MpReceiver(ReceiverEndpoint):
                 raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
                                      f"version it applied")
             return None
-        index, header = self.newest
+        index, header, _ = self.newest
         self.newest = None
         self.drained = drained
         mapped = self.maps.get(index)
@@ -255,6 +262,8 @@ class MpReceiver(ReceiverEndpoint):
                         return False
                     if frame.kind is Kind.ANSWER:
                         self.answered = max(self.answered, frame.arg)
+                    elif frame.kind is Kind.BOARD:
+                        self._board(frame)
                     else:
                         self._notify(frame)
             except TransportError as exc:
@@ -268,6 +277,15 @@ class MpReceiver(ReceiverEndpoint):
         if failed and not self.closing:
             log.warning("mp worker %d: %s", self.worker, why)
         self.ended, self.failed = why, failed
+
+    def _board(self, frame: Frame) -> None:
+        if self.board is not None or not frame.flags & FLAG_FD or not self.fds:
+            raise TransportError(f"{self.peer} sent a second board, or one without its descriptor")
+        fd = self.fds.popleft()
+        try:
+            self.board, self.marks = map_board(fd, self.worker, self.peer)
+        finally:
+            os.close(fd)
 
     def _notify(self, frame: Frame) -> None:
         index = frame.arg
@@ -292,7 +310,7 @@ class MpReceiver(ReceiverEndpoint):
                     os.close(fd)
         elif index not in self.maps:
             raise TransportError(f"{self.peer} named slot {index} without sending its descriptor")
-        older, self.newest = self.newest, (index, frame.body)
+        older, self.newest = self.newest, (index, frame.body, frame.value)
         if older is not None:
             self._release(older[0])
 
@@ -337,6 +355,10 @@ class MpReceiver(ReceiverEndpoint):
         while self.fds:
             os.close(self.fds.popleft())
         self._close_slot_fds()
+        if self.marks is not None:
+            self.marks.release()
+            self.board.close()
+            self.marks = self.board = None
         maps = [mapped[0] for mapped in self.maps.values() if mapped]
         self.maps.clear()  # drops this endpoint's views, so only the core's can keep a map alive
         for mm in maps:

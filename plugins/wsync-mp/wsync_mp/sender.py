@@ -12,7 +12,10 @@ A worker whose ``receive`` finds a notification that waited (it was away: a long
 pause, a frozen process) probes first; the sender answers right after notifying the newest
 version it holds for that worker (at once if none is pending), so the worker never applies a
 version that a newer one had replaced before it asked, even when this process was too busy to
-write meanwhile.
+write meanwhile. The probe is needed only when something newer is pending: ``publish`` first writes
+its number into each target worker's word of a *board* (a sealed memfd of one 8-byte word per
+worker, mapped read-only by each), then notifies, and every notification carries its number; a
+worker whose waiting notification's number is its word's takes it without a probe.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class _Conn:
         #: slots the worker took before its last ack and has not released: its tensors (or a child
         #: it forked) may view them for as long as it likes; they do not count against _OUTSTANDING
         self.pinned: list[int] = []
-        self.pending: tuple[int, bytes] | None = None  # newest (slot, header) not yet notified
+        self.pending: tuple[int, bytes, int] | None = None  # newest (slot, header, number) not yet notified
         self.unseen: int | None = None  # the slot of the notification sent and not yet taken
         self.probe: int | None = None   # a probe to answer once nothing is pending: its number
 
@@ -88,6 +91,9 @@ class MpSender(SenderEndpoint):
         self.slots: list[Slot] = []
         self.buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
         self.latest: int | None = None
+        self.published = 0  # the number of the last publish (what the board and notifications carry)
+        self.board: Slot | None = None
+        self.marks: memoryview | None = None  # the board's words: per worker, the last publish to it
         lock = threading.RLock()
         self.cond = threading.Condition(lock)  # guards shared state; poll() waits on it for events
         self.freed = threading.Condition(lock)  # acquire() waits on it for a slot
@@ -111,6 +117,8 @@ class MpSender(SenderEndpoint):
             listener.close()
             raise
         self.listener = listener
+        self.board = Slot.memfd("wsync-mp-board", 8 * max(self.num_workers, 1))
+        self.marks = memoryview(self.board.map).cast("q")
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
@@ -146,9 +154,11 @@ class MpSender(SenderEndpoint):
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
             self.latest = index
+            self.published += 1
             conns = [conn for w in workers if (conn := self.conns.get(w)) is not None]
             for conn in conns:  # every frame made first: the writes, which wake workers, follow back to back
-                conn.pending = (index, header)
+                self.marks[conn.worker] = self.published  # before the notification: see the module's docstring
+                conn.pending = (index, header, self.published)
                 self._pump(conn, from_io_thread=False, write=False)
             stuck = False
             for conn in conns:
@@ -220,6 +230,12 @@ class MpSender(SenderEndpoint):
             if fd >= 0:
                 os.close(fd)
         self.wake_r = self.wake_w = -1
+        if self.marks is not None:
+            self.marks.release()
+            self.marks = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         for slot in self.slots:
             slot.close()
         self.slots = []
@@ -339,6 +355,7 @@ class MpSender(SenderEndpoint):
                 self._close_conn(old)
             conn.worker = worker
             self.conns[worker] = conn
+            conn.push(FRAMING.encode(Kind.BOARD, flags=FLAG_FD), [self.board.fd])
             self._emit(Joined(worker))
 
     def _pump(self, conn: _Conn, from_io_thread: bool = True, write: bool = True) -> None:
@@ -346,13 +363,13 @@ class MpSender(SenderEndpoint):
         fewer than _OUTSTANDING, and (``write``) write."""
         if conn.pending is None or conn.unseen is not None or len(conn.held) >= _OUTSTANDING:
             return
-        index, header = conn.pending
+        index, header, number = conn.pending
         conn.pending = None
-        slot = self.slots[index]
         if index in conn.has_fd:
-            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes))
+            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=number))
         else:
-            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=slot.nbytes, flags=FLAG_FD), [slot.fd])
+            conn.push(FRAMING.encode(Kind.NOTIFY, header, arg=index, value=number, flags=FLAG_FD),
+                      [self.slots[index].fd])
             conn.has_fd.add(index)
         conn.held.append(index)
         conn.unseen = index

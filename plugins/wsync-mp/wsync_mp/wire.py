@@ -25,7 +25,7 @@ from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
     "Kind", "FRAMING", "NONCE_BYTES", "MAX_FDS",
-    "mac", "make_socket", "sockaddr", "slot_fits", "map_slot",
+    "mac", "make_socket", "sockaddr", "slot_fits", "map_slot", "map_board",
 ]
 
 MAGIC = b"WSMP"
@@ -42,20 +42,21 @@ class Kind(enum.IntEnum):
     RESPONSE = 2   # receiver -> sender: mac of the sender's nonce, then the receiver's nonce
     PROOF = 3      # sender -> receiver: mac of the receiver's nonce
     HELLO = 4      # receiver -> sender: arg = worker index
-    NOTIFY = 5     # sender -> receiver: arg = slot, value = payload bytes, body = header, maybe an fd
+    NOTIFY = 5     # sender -> receiver: arg = slot, value = publish number, body = header, maybe an fd
     RELEASE = 6    # receiver -> sender: arg = slot, done reading it
     ACK = 7        # receiver -> sender: body = ack bytes
     CLOSE = 8      # sender -> receiver: body = reason (empty: a clean shutdown)
     SEEN = 9       # receiver -> sender: arg = slot, receive() took its notification (the next may follow)
     PROBE = 10     # receiver -> sender: arg = probe number; answer once the newest version is notified
     ANSWER = 11    # sender -> receiver: arg = probe number; every version published before the probe is ahead of it
+    BOARD = 12     # sender -> receiver, once after hello: the board's fd (FLAG_FD)
 
 
 #: the largest body each kind may carry
 _LIMITS = {
     Kind.CHALLENGE: NONCE_BYTES, Kind.RESPONSE: 2 * NONCE_BYTES, Kind.PROOF: NONCE_BYTES, Kind.HELLO: 0,
     Kind.NOTIFY: MAX_HEADER_BYTES, Kind.RELEASE: 0, Kind.ACK: MAX_ACK_BYTES, Kind.CLOSE: 4096,
-    Kind.SEEN: 0, Kind.PROBE: 0, Kind.ANSWER: 0,
+    Kind.SEEN: 0, Kind.PROBE: 0, Kind.ANSWER: 0, Kind.BOARD: 0,
 }
 
 
@@ -77,12 +78,9 @@ def make_socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
-def slot_fits(fd: int, nbytes: int, peer: str) -> bool:
-    """Whether the received slot ``fd`` holds this receiver's ``nbytes`` (a sealed memfd of that size).
-
-    Raises TransportError if ``fd`` is not a sealed memory file (a hostile sender could
-    otherwise shrink it under the reader).
-    """
+def _sealed_size(fd: int, peer: str) -> int:
+    """The size of the received memory file ``fd``. Raises TransportError if it is not a memfd
+    sealed against shrinking and growing (a hostile sender could otherwise shrink it under the reader)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         size = os.fstat(fd).st_size
@@ -90,7 +88,24 @@ def slot_fits(fd: int, nbytes: int, peer: str) -> bool:
         raise TransportError(f"{peer} passed a descriptor that is not a sealed memfd: {exc}") from None
     if seals & SEALS != SEALS:
         raise TransportError(f"{peer} passed a memfd without shrink/grow seals (seals {seals:#x})")
-    return size == max(nbytes, 1)
+    return size
+
+
+def slot_fits(fd: int, nbytes: int, peer: str) -> bool:
+    """Whether the received slot ``fd`` holds this receiver's ``nbytes`` (a sealed memfd of that
+    size). Raises TransportError as ``_sealed_size``."""
+    return _sealed_size(fd, peer) == max(nbytes, 1)
+
+
+def map_board(fd: int, worker: int, peer: str) -> tuple[mmap.mmap, memoryview]:
+    """Map the sender's board read-only: the map and its 8-byte words, of which ``worker``'s is the
+    number of the last publish to it. Raises TransportError if ``fd`` is not a sealed memfd of
+    whole words that has one for ``worker``."""
+    size = _sealed_size(fd, peer)
+    if size % 8 or size < 8 * (worker + 1):
+        raise TransportError(f"{peer} passed a board of {size} bytes, which has no 8-byte word for worker {worker}")
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mm, memoryview(mm).cast("q")
 
 
 def map_slot(fd: int, nbytes: int, peer: str) -> tuple[mmap.mmap, torch.Tensor] | None:
