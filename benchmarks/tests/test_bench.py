@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,16 @@ def test_same_loop_times_every_send_it_was_asked_for(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("shm 1 workers, 5 sends: p50 "), out.stdout
+
+
+@pytest.mark.skipif(not _installed("mp"), reason="the mp plugin is not installed")
+def test_waiting_receive_times_the_receives_that_took_a_version(tmp_path) -> None:
+    """``benchmarks/waiting_receive.py`` runs on the public API and prints its percentiles."""
+    script = Path(__file__).parents[1] / "waiting_receive.py"
+    out = subprocess.run([sys.executable, str(script), "mp", "--seconds", "1", "--step-ms", "2", "--rollout-ms", "3"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.match(r"mp [1-9][0-9]* receives: p50 [0-9.]+ ms, p90 [0-9.]+ ms, p99 [0-9.]+ ms", out.stdout), out.stdout
 
 
 def test_python_floor_times_every_update_and_leaves_nothing_behind(tmp_path) -> None:
