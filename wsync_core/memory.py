@@ -6,7 +6,9 @@ descriptor travels to the workers) holding one payload. The sender maps it read-
 privately (``map_private``: reads see the slot, a worker's writes stay in its process). A fresh
 mapping has no page-table entries: the first read of every page traps into the kernel, which
 here costs about one more read of the whole payload; ``populate`` takes those faults in one
-call instead, where the caller chooses (after the ack: ``Delivery.warm``).
+call instead, where the caller chooses (after the ack: ``Delivery.warm``). A worker may keep a
+private mapping of a slot from one delivery to the next (no page tables torn down and built again
+per version): ``discard_written`` then drops the pages it wrote, so that they read the slot again.
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ import torch
 
 from .errors import TransportError
 
-__all__ = ["Slot", "map_shared", "map_private", "populate"]
+__all__ = ["Slot", "map_shared", "map_private", "populate", "discard_written"]
 
 #: the seals a memfd slot carries: its size can never change under a reader
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 #: madvise(2) advice that maps every page of a range for reading, without copying on write (Linux 5.14)
 _MADV_POPULATE_READ = 22
+_MADV_DONTNEED = 4
+#: /proc/self/pagemap, one 64-bit entry per page: present, swapped, a page of a file (or shared)
+_PM_PRESENT, _PM_SWAPPED, _PM_FILE = 63, 62, 61
+#: runs of written pages past which one madvise over the whole range is cheaper
+_MAX_RUNS = 256
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -136,3 +143,44 @@ def populate(tensor: torch.Tensor) -> bool:
     end = start + tensor.numel() * tensor.element_size()
     start -= start % _PAGE
     return _madvise_fn(start, end - start, _MADV_POPULATE_READ) == 0
+
+
+def discard_written(base: torch.Tensor) -> int:
+    """Drop this process's own copies of the pages of ``base`` (a CPU uint8 tensor over the whole of a
+    private file mapping, page-aligned) that it wrote, present or swapped out: those pages read
+    the file again. Returns how many pages were dropped; where ``/proc/self/pagemap`` cannot
+    tell them apart, drops every page of the range (all of them then fault in again) and returns
+    their number. Raises OSError if the kernel refuses the madvise."""
+    start, nbytes = base.data_ptr(), base.numel()
+    pages = -(-nbytes // _PAGE)
+    if pages == 0 or _madvise_fn is None:
+        return 0
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(start // _PAGE * 8)
+            entries = bytearray(pages * 8)
+            if f.readinto(entries) != len(entries):
+                raise OSError("short read")
+    except OSError:
+        _advise(start, pages * _PAGE, _MADV_DONTNEED)
+        return pages
+    flags = torch.frombuffer(entries, dtype=torch.int64)
+    written = (((flags >> _PM_PRESENT) & 1) & ~((flags >> _PM_FILE) & 1)) | ((flags >> _PM_SWAPPED) & 1)
+    index = written.nonzero().flatten()
+    if index.numel() == 0:
+        return 0
+    gaps = (index[1:] - index[:-1]) != 1
+    firsts = torch.cat([index[:1], index[1:][gaps]]).tolist()
+    lasts = torch.cat([index[:-1][gaps], index[-1:]]).tolist()
+    if len(firsts) > _MAX_RUNS:
+        _advise(start, pages * _PAGE, _MADV_DONTNEED)
+    else:
+        for first, last in zip(firsts, lasts):
+            _advise(start + first * _PAGE, (last - first + 1) * _PAGE, _MADV_DONTNEED)
+    return index.numel()
+
+
+def _advise(start: int, length: int, advice: int) -> None:
+    if _madvise_fn(start, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}) of {length} bytes failed: {os.strerror(err)}")

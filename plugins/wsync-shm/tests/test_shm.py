@@ -136,6 +136,24 @@ def test_zero_copy_receivers_view_a_pinned_slot_and_write_privately(group) -> No
     assert holds(model_of(r0), 6) and holds(model_of(r1), 6)
 
 
+def test_a_zero_copy_worker_that_writes_its_model_gets_each_reused_slot_exactly(group) -> None:
+    """A worker keeps one private mapping per slot across deliveries: the pages it wrote (all of a
+    tensor, scattered elements, a swapped-out page alike) are dropped when the slot goes back, so a
+    version that comes later in the same slot is exact, never the worker's old writes."""
+    _, sender, model, (r0,) = group(1, zero_copy=True)
+    for v in range(1, 13):  # two slots, each reused five times
+        fill(model, v)
+        sender.send_async()
+        assert r0.receive(timeout=30.0) == v
+        mine = model_of(r0)
+        assert holds(mine, v), v
+        if v % 3 == 0:
+            mine["w"].fill_(-1.0)  # every page of the payload's largest tensor
+        else:
+            mine["w"][v::997].fill_(-2.0)  # a few scattered pages
+        mine["step"].fill_(-v)
+
+
 def test_zero_copy_takes_the_slots_memory_and_copy_mode_keeps_the_models(group) -> None:
     for zero_copy in (True, False, None):
         _, sender, model, (r0,) = group(1, zero_copy=zero_copy)  # explicit: the model is small

@@ -40,6 +40,11 @@ class Slot:
         self._guard = threading.Lock()  # a lease may give a lock back from another thread
         self._closing = False
         self.writable = writable
+        #: a zero-copy reader's private mapping of the whole file, kept from one delivery to the next
+        self._private: torch.Tensor | None = None
+        self._viewed = False  # a delivery of the private mapping went out since it was last cleaned
+        #: the private mapping has pages to fault in (new, or pages dropped): ``populate`` it after the ack
+        self.cold = False
 
     @classmethod
     def create(cls, path: str, nbytes: int) -> Slot:
@@ -67,9 +72,17 @@ class Slot:
         return cls(path, fd, mm, payload, writable=False, size=size)
 
     def private_payload(self) -> torch.Tensor:
-        """A new copy-on-write mapping of the payload: reads see the slot's bytes, writes stay in
-        this process. It follows the slot only while this process holds a lock on it."""
-        return memory.map_private(self._fd, HEAD, self._size - HEAD)
+        """A copy-on-write view of the payload: reads see the slot's bytes, writes stay in this
+        process. One private mapping per slot, kept from one delivery to the next (mapping and
+        faulting in a large payload, and tearing it down, cost more than the copy it saves): it
+        follows the slot only while this process holds a lock on it, and ``unlock`` drops the pages
+        this process wrote when the last lock goes, so that the next delivery reads the slot's
+        bytes. Raises OSError if the file cannot be mapped."""
+        if self._private is None:
+            self._private = memory.map_private(self._fd, 0, self._size)
+            self.cold = True
+        self._viewed = True
+        return self._private[HEAD:]
 
     # -- generation and locks ---------------------------------------------------------------
     @property
@@ -103,6 +116,10 @@ class Slot:
             if self._locks > 0:
                 self._locks -= 1
                 if self._locks == 0:
+                    if self._viewed and not self._closing:  # no delivery views it now: clean it for the next
+                        self._viewed = False
+                        if memory.discard_written(self._private):
+                            self.cold = True
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
                     if self._closing:
                         self._close_now()
@@ -129,6 +146,7 @@ class Slot:
         # a tensor may still view; dropping our references unmaps it once the last view is gone.
         self.payload = torch.empty(0, dtype=torch.uint8)
         self._mm = None
+        self._private = None
 
     def forget_in_child(self) -> None:
         """In a forked child: close this process's copy of the descriptor, keeping the parent's

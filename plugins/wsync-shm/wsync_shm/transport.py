@@ -480,7 +480,8 @@ class _Receiver(ReceiverEndpoint):
 
         if self._zero_copy:
             payload = slot.private_payload()
-            return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
+            warm, slot.cold = ((lambda: populate(payload)) if slot.cold else None), False
+            return Delivery(header, payload, release, adoptable=True, warm=warm)
         return Delivery(header, slot.payload, release)
 
     def _sender_gone(self, why: str) -> None:

@@ -1,0 +1,44 @@
+"""``wsync_core.memory``: a private mapping kept across deliveries, cleaned of the pages this process wrote."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import pytest
+import torch
+
+from wsync_core.memory import discard_written, map_private
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and pagemap are Linux's")
+
+PAGES = 64
+
+
+def _file(value: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create("wsync-test-memory")
+    os.ftruncate(fd, PAGES * mmap.PAGESIZE)
+    shared = mmap.mmap(fd, PAGES * mmap.PAGESIZE)
+    shared[:] = bytes([value]) * len(shared)
+    return fd, shared
+
+
+def test_written_pages_read_the_file_again_and_the_others_follow_it() -> None:
+    fd, shared = _file(1)
+    try:
+        private = map_private(fd, 0, PAGES * mmap.PAGESIZE)
+        assert torch.all(private == 1)  # every page mapped, none written
+        assert discard_written(private) == 0
+        written = [0, 1, 2, 17, 40, 63]
+        for page in written:
+            private[page * mmap.PAGESIZE + 5] = 9  # copy on write: this process's own page now
+        shared[:] = bytes([2]) * len(shared)  # the writer's next version
+        pages = private.view(PAGES, mmap.PAGESIZE)
+        assert [p for p in range(PAGES) if pages[p, 0].item() != 2] == written  # stale: this process's copies
+        assert discard_written(private) == len(written)
+        assert torch.all(private == 2)
+        assert discard_written(private) == 0
+    finally:
+        shared.close()
+        os.close(fd)
