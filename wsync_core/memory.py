@@ -20,12 +20,13 @@ import mmap
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from .errors import TransportError
 
-__all__ = ["Slot", "map_shared", "map_private", "populate", "discard_written"]
+__all__ = ["Slot", "PrivateMap", "map_shared", "map_private", "populate", "discard_written"]
 
 #: the seals a memfd slot carries: its size can never change under a reader
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -119,6 +120,37 @@ def map_shared(fd: int, size: int, offset: int = 0, nbytes: int | None = None) -
     with warnings.catch_warnings():  # read-only on purpose: a worker cannot write the sender's slot
         warnings.simplefilter("ignore", UserWarning)
         return mm, torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=nbytes)
+
+
+class PrivateMap:
+    """A worker's private (copy-on-write) mapping of a whole slot file, kept from one delivery to
+    the next: mapping and faulting in a large payload, then tearing it down, cost more CPU than the
+    copy they save, once per version and worker. Unwritten pages follow the file (so the mapping
+    shows what the sender wrote only while the worker holds the slot against it); ``clean``, once
+    no delivery views the mapping, drops the pages the worker wrote, so that the next delivery
+    reads the slot's bytes, never the worker's old writes."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        """Map ``size`` bytes of file ``fd``. Raises OSError if it cannot be mapped."""
+        self.base = map_private(fd, 0, size)
+        self._cold = True     # pages to fault in (new, or some dropped by ``clean``)
+        self._viewed = False  # a view went out since the last ``clean``
+
+    def view(self, offset: int, nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A delivery's payload: ``nbytes`` at ``offset``; and what to run after the ack to fault
+        its pages in (``Delivery.warm``), or None when they are in already."""
+        payload = self.base[offset:offset + nbytes]
+        self._viewed = True
+        warm, self._cold = ((lambda: populate(payload)) if self._cold else None), False
+        return payload, warm
+
+    def clean(self) -> None:
+        """Drop the pages this process wrote since a view went out; call it when no delivery
+        views the mapping any more. Raises OSError if the kernel refuses."""
+        if self._viewed:
+            self._viewed = False
+            if discard_written(self.base):
+                self._cold = True
 
 
 def map_private(fd: int, offset: int, nbytes: int) -> torch.Tensor:

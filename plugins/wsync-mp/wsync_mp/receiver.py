@@ -13,7 +13,8 @@ had replaced before it asked, and pays a round trip to the sender only when some
 not taken (and one more after a probe), so a worker that stops calling ``receive`` pins at most
 the slot its model views and one untaken. Payloads are private copy-on-write maps of the
 sender's sealed slots, which the core adopts as the model's tensors (``zero_copy``) and releases
-when the model moves on; or read-only maps it copies from.
+when the model moves on (one map per slot, kept across deliveries: ``wsync_core.memory.PrivateMap``
+drops the pages the worker wrote before the slot goes back); or read-only maps it copies from.
 
 The SEEN and RELEASE frames that taking and applying a delivery produce are held back and go out
 with its ACK, in one send: the sender's I/O thread then wakes once per version and worker, not
@@ -38,7 +39,7 @@ from collections import deque
 
 import torch
 from wsync_core import Deadline, TransportError, Wakeup, WorkerTimeoutError
-from wsync_core.memory import map_private, populate
+from wsync_core.memory import PrivateMap
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
 
 from wsync_core.framing import PREFIX, Frame
@@ -70,10 +71,11 @@ class MpReceiver(ReceiverEndpoint):
         self.wakeup = Wakeup()          # wake(): the scheme is shutting down, recv returns at once
         self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
-        #: slot -> (mmap, tensor), _PRIVATE (zero-copy: mapped per delivery), None if its size is not ours
+        #: slot -> (mmap, tensor), _PRIVATE (zero-copy: in ``private``), None if its size is not ours
         self.maps: dict[int, tuple | None] = {}
         self.zero_copy = zero_copy
-        self.slot_fds: dict[int, int] = {}         # slot -> its descriptor, kept for private maps
+        self.private: dict[int, PrivateMap] = {}   # slot -> its private mapping, kept across deliveries
+        self.viewing: dict[int, int] = {}          # slot -> deliveries of it not released yet
         self.fds: deque[int] = deque()
         self.newest: tuple[int, bytes, int] | None = None  # (slot, header, publish number)
         self.board: mmap.mmap | None = None
@@ -154,13 +156,21 @@ class MpReceiver(ReceiverEndpoint):
             if not released:
                 released = True
                 self.drained = False
+                with self.send_lock:
+                    left = self.viewing.pop(index, 0) - 1
+                    if left > 0:
+                        self.viewing[index] = left
+                if left == 0 and index in self.private:  # nothing views it: the worker's writes go
+                    self.private[index].clean()
                 self._release(index)
 
         if mapped is None:
             return Delivery(header, _EMPTY, release)
-        if index in self.slot_fds:
-            payload = map_private(self.slot_fds[index], 0, self.nbytes)
-            return Delivery(header, payload, release, adoptable=True, warm=lambda: populate(payload))
+        if index in self.private:
+            payload, warm = self.private[index].view(0, self.nbytes)
+            with self.send_lock:
+                self.viewing[index] = self.viewing.get(index, 0) + 1
+            return Delivery(header, payload, release, adoptable=True, warm=warm)
         return Delivery(header, mapped[1], release)
 
     def ack(self, data: bytes) -> None:
@@ -300,9 +310,9 @@ class MpReceiver(ReceiverEndpoint):
                     raise TransportError(f"{self.peer} sent a second descriptor for slot {index}")
                 if not self.zero_copy:
                     self.maps[index] = map_slot(fd, self.nbytes, self.peer)
-                elif slot_fits(fd, self.nbytes, self.peer):  # mapped privately per delivery: no shared map
+                elif slot_fits(fd, self.nbytes, self.peer):  # mapped privately only: no shared map
                     self.maps[index] = _PRIVATE
-                    self.slot_fds[index], fd = fd, -1
+                    self.private[index] = PrivateMap(fd, max(self.nbytes, 1))
                 else:
                     self.maps[index] = None
             finally:
@@ -354,7 +364,7 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         while self.fds:
             os.close(self.fds.popleft())
-        self._close_slot_fds()
+        self.private.clear()  # unmapped once no tensor views them
         if self.marks is not None:
             self.marks.release()
             self.board.close()
@@ -378,13 +388,6 @@ class MpReceiver(ReceiverEndpoint):
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
-        self._close_slot_fds()
-
-    def _close_slot_fds(self) -> None:
-        fds = list(self.slot_fds.values())
-        self.slot_fds.clear()
-        for fd in fds:
-            os.close(fd)
 
 
 def _after_fork_in_child() -> None:

@@ -13,6 +13,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -40,11 +41,7 @@ class Slot:
         self._guard = threading.Lock()  # a lease may give a lock back from another thread
         self._closing = False
         self.writable = writable
-        #: a zero-copy reader's private mapping of the whole file, kept from one delivery to the next
-        self._private: torch.Tensor | None = None
-        self._viewed = False  # a delivery of the private mapping went out since it was last cleaned
-        #: the private mapping has pages to fault in (new, or pages dropped): ``populate`` it after the ack
-        self.cold = False
+        self._private: memory.PrivateMap | None = None  # a zero-copy reader's, kept across deliveries
 
     @classmethod
     def create(cls, path: str, nbytes: int) -> Slot:
@@ -71,18 +68,15 @@ class Slot:
             raise
         return cls(path, fd, mm, payload, writable=False, size=size)
 
-    def private_payload(self) -> torch.Tensor:
-        """A copy-on-write view of the payload: reads see the slot's bytes, writes stay in this
-        process. One private mapping per slot, kept from one delivery to the next (mapping and
-        faulting in a large payload, and tearing it down, cost more than the copy it saves): it
-        follows the slot only while this process holds a lock on it, and ``unlock`` drops the pages
-        this process wrote when the last lock goes, so that the next delivery reads the slot's
-        bytes. Raises OSError if the file cannot be mapped."""
+    def private_payload(self) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A copy-on-write view of the payload (reads see the slot's bytes, writes stay in this
+        process), and what faults its pages in after the ack (None if they are in): a
+        ``memory.PrivateMap`` of the file, kept across deliveries, which follows the slot only while
+        this process holds a lock on it; ``unlock`` cleans it when the last lock goes. Raises
+        OSError if the file cannot be mapped."""
         if self._private is None:
-            self._private = memory.map_private(self._fd, 0, self._size)
-            self.cold = True
-        self._viewed = True
-        return self._private[HEAD:]
+            self._private = memory.PrivateMap(self._fd, self._size)
+        return self._private.view(HEAD, self._size - HEAD)
 
     # -- generation and locks ---------------------------------------------------------------
     @property
@@ -116,10 +110,8 @@ class Slot:
             if self._locks > 0:
                 self._locks -= 1
                 if self._locks == 0:
-                    if self._viewed and not self._closing:  # no delivery views it now: clean it for the next
-                        self._viewed = False
-                        if memory.discard_written(self._private):
-                            self.cold = True
+                    if self._private is not None and not self._closing:  # no delivery views it now
+                        self._private.clean()
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
                     if self._closing:
                         self._close_now()

@@ -54,7 +54,6 @@ from wsync_core import (
     WorkerTimeoutError,
     zero_copy_for,
 )
-from wsync_core.memory import populate
 from wsync_core.transport import Event
 
 from . import wire
@@ -479,8 +478,7 @@ class _Receiver(ReceiverEndpoint):
                 slot.unlock()
 
         if self._zero_copy:
-            payload = slot.private_payload()
-            warm, slot.cold = ((lambda: populate(payload)) if slot.cold else None), False
+            payload, warm = slot.private_payload()
             return Delivery(header, payload, release, adoptable=True, warm=warm)
         return Delivery(header, slot.payload, release)
 
