@@ -42,3 +42,27 @@ def test_written_pages_read_the_file_again_and_the_others_follow_it() -> None:
     finally:
         shared.close()
         os.close(fd)
+
+
+def test_without_pagemap_every_page_is_dropped_and_reads_the_file(monkeypatch) -> None:
+    """Where /proc/self/pagemap cannot be read, the written pages still go: all of them do."""
+    import builtins
+
+    real_open = builtins.open
+
+    def no_pagemap(path, *args, **kwargs):
+        if str(path) == "/proc/self/pagemap":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    fd, shared = _file(1)
+    try:
+        private = map_private(fd, 0, PAGES * mmap.PAGESIZE)
+        private[3 * mmap.PAGESIZE] = 9
+        shared[:] = bytes([2]) * len(shared)
+        monkeypatch.setattr(builtins, "open", no_pagemap)
+        assert discard_written(private) == PAGES
+        assert torch.all(private == 2)
+    finally:
+        shared.close()
+        os.close(fd)
