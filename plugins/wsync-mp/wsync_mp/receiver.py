@@ -55,7 +55,6 @@ _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs 
 #: how long an ack or release may wait for room in the socket before the connection counts as dead
 _SEND_TIMEOUT = 30.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-_PRIVATE = ()
 _live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
 
@@ -71,10 +70,10 @@ class MpReceiver(ReceiverEndpoint):
         self.wakeup = Wakeup()          # wake(): the scheme is shutting down, recv returns at once
         self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
-        #: slot -> (mmap, tensor), _PRIVATE (zero-copy: in ``private``), None if its size is not ours
-        self.maps: dict[int, tuple | None] = {}
+        #: slot -> (mmap, tensor) to copy from; its PrivateMap (zero-copy: kept across deliveries);
+        #: None if its size is not ours
+        self.maps: dict[int, tuple | PrivateMap | None] = {}
         self.zero_copy = zero_copy
-        self.private: dict[int, PrivateMap] = {}   # slot -> its private mapping, kept across deliveries
         self.viewing: dict[int, int] = {}          # slot -> deliveries of it not released yet
         self.fds: deque[int] = deque()
         self.newest: tuple[int, bytes, int] | None = None  # (slot, header, publish number)
@@ -160,14 +159,14 @@ class MpReceiver(ReceiverEndpoint):
                     left = self.viewing.pop(index, 0) - 1
                     if left > 0:
                         self.viewing[index] = left
-                if left == 0 and index in self.private:  # nothing views it: the worker's writes go
-                    self.private[index].clean()
+                if left == 0 and isinstance(kept := self.maps.get(index), PrivateMap):
+                    kept.clean()  # nothing views it: the worker's writes go
                 self._release(index)
 
         if mapped is None:
             return Delivery(header, _EMPTY, release)
-        if index in self.private:
-            payload, warm = self.private[index].view(0, self.nbytes)
+        if isinstance(mapped, PrivateMap):
+            payload, warm = mapped.view(0, self.nbytes)
             with self.send_lock:
                 self.viewing[index] = self.viewing.get(index, 0) + 1
             return Delivery(header, payload, release, adoptable=True, warm=warm)
@@ -311,8 +310,7 @@ class MpReceiver(ReceiverEndpoint):
                 if not self.zero_copy:
                     self.maps[index] = map_slot(fd, self.nbytes, self.peer)
                 elif slot_fits(fd, self.nbytes, self.peer):  # mapped privately only: no shared map
-                    self.maps[index] = _PRIVATE
-                    self.private[index] = PrivateMap(fd, max(self.nbytes, 1))
+                    self.maps[index] = PrivateMap(fd, max(self.nbytes, 1))
                 else:
                     self.maps[index] = None
             finally:
@@ -364,13 +362,12 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         while self.fds:
             os.close(self.fds.popleft())
-        self.private.clear()  # unmapped once no tensor views them
         if self.marks is not None:
             self.marks.release()
             self.board.close()
             self.marks = self.board = None
-        maps = [mapped[0] for mapped in self.maps.values() if mapped]
-        self.maps.clear()  # drops this endpoint's views, so only the core's can keep a map alive
+        maps = [mapped[0] for mapped in self.maps.values() if isinstance(mapped, tuple)]
+        self.maps.clear()  # drops this endpoint's maps (private ones too), so only the core's views keep one alive
         for mm in maps:
             try:
                 mm.close()
