@@ -44,6 +44,7 @@ class Mailbox:
         self._acks = acks  # [host, port, secret] of the sender's AckServer, or None
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
+        self._posted: dict[int, int] = {}  # worker -> the newest seq posted to it
         self._members: dict[int, str] = {}  # worker -> token of the receiver serving it
         # [seq, event] not yet confirmed by the sender; event: ["join", w, token] | ["ack", w, data] | ["left", w, reason]
         self._events: list[list[Any]] = []
@@ -133,11 +134,14 @@ class Mailbox:
                 self._drop(worker, "receiver shut down")
 
     async def post(self, seq: int, workers: list[int], header: bytes, refs: list[Any]) -> None:
-        """Deliver ``header`` and the payload in ``refs`` to ``workers`` (those connected now)."""
+        """Deliver ``header`` and the payload in ``refs`` to ``workers`` (those connected now). Ray
+        does not promise to run an async actor's tasks in the order they were sent: a post older
+        than one a worker already got is dropped for that worker, never put in place of the newer."""
         cond = self._condition()
         async with cond:
             for w in workers:
-                if w in self._members:
+                if w in self._members and seq > self._posted.get(w, 0):
+                    self._posted[w] = seq
                     self._entries[w] = [seq, header, refs]
             cond.notify_all()
 
