@@ -22,7 +22,8 @@ from wsync_core.transport import Joined
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
-           "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored"]
+           "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored",
+           "WorkerWritesKept"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -226,6 +227,37 @@ class _ReusedBuffer(_Receiver):
         return Delivery(delivery.header, self.buffer, adoptable=True)
 
 
+class _WorkerWritesKept(_Receiver):
+    """Hands out receive buffers of its own as adoptable and reuses one only after its release, but
+    copies into a reused buffer only the bytes that differ from what it last wrote there: what
+    the worker wrote into its model meanwhile stays wherever the versions agree."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        self.free: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, what was last written to it)
+        self.lock = threading.Lock()
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        payload = delivery.payload
+        with self.lock:
+            pair = self.free.pop() if self.free else None
+        if pair is None or pair[0].numel() != payload.numel():
+            pair = (payload.clone(), payload.clone())
+        else:
+            changed = pair[1] != payload
+            pair[0][changed] = payload[changed]
+            pair[1].copy_(payload)
+
+        def release() -> None:
+            with self.lock:
+                self.free.append(pair)
+
+        return Delivery(delivery.header, pair[0], release, adoptable=True)
+
+
 class _BlockingPublish(_Sender):
     """From the fourth publish on, publish() blocks forever (a full socket buffer, say)."""
 
@@ -317,6 +349,7 @@ CloseNotIdempotent = _transport("CloseNotIdempotent", sender=_CloseTwiceSender)
 EndpointInOptions = _transport("EndpointInOptions", sender=_EndpointInOptions)
 SharedAdoptable = _transport("SharedAdoptable", sender=_SharedAdoptableSender, receiver=_SharedAdoptableReceiver)
 PrefixIgnored = _transport("PrefixIgnored", sender=_PrefixIgnored)
+WorkerWritesKept = _transport("WorkerWritesKept", receiver=_WorkerWritesKept)
 
 #: broken transport -> the guarantee it breaks
 BROKEN: dict[str, str] = {
@@ -339,6 +372,7 @@ BROKEN: dict[str, str] = {
     "EndpointInOptions": "portable",
     "SharedAdoptable": "isolated",
     "PrefixIgnored": "exact",
+    "WorkerWritesKept": "exact",
 }
 
 #: broken transport -> the tests (a pytest -k expression) that must catch it
@@ -363,6 +397,7 @@ SELECT: dict[str, str] = {
     "EndpointInOptions": "test_portable_pickles",
     "SharedAdoptable": "test_targeted_subset_send or test_isolated_kept_references",
     "PrefixIgnored": "test_endpoint_publish_delivers_used_bytes",
+    "WorkerWritesKept": "test_exact_after_worker_writes",
 }
 
 

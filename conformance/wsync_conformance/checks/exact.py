@@ -69,6 +69,23 @@ class ExactChecks:
         s.check(s.send(weights=weights))
 
     @guarantee("exact")
+    def test_exact_after_worker_writes(self, wsync: Context) -> None:
+        """Workers write all of their model (a state_dict over the zero-copy threshold) after each
+        receive, while part of the trainer's model never changes (a frozen layer): each full
+        version still arrives exactly, through more versions than a transport has buffers (memory
+        a zero-copy worker wrote must be delivered whole again, not only where versions differ)."""
+        s = wsync.session(many_spec("state_dict", 2.0, count=12), n=2)
+        frozen = random_values(s.spec, 77)
+        keys = sorted(frozen)[::2]
+        for step in range(1, 9):
+            values = random_values(s.spec, 7000 + step)
+            values.update((k, frozen[k]) for k in keys)
+            s.fill(values)
+            s.send()
+            for w in s.workers:
+                w.request("fill", seed=9000 + step).raise_for_error("the worker writing its model")
+
+    @guarantee("exact")
     @capability("cuda")
     def test_exact_cpu_sender_cuda_receivers(self, wsync: Context) -> None:
         """A CPU trainer syncing CUDA receivers (only with --wsync-device cuda)."""
