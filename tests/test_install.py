@@ -25,3 +25,24 @@ def test_core_does_not_pin_torch_or_tensordict_above_torchrl():
     torch_req = next(r for r in reqs if r.startswith("torch"))
     td_req = next(r for r in reqs if r.startswith("tensordict"))
     assert "==" not in torch_req and "<" not in td_req and ">=0.14" in td_req
+
+
+def test_every_package_is_in_its_distribution():
+    """Each project's ``[tool.setuptools] packages`` names every package under it: an editable
+    install finds a subpackage left out, a wheel (what users install) does not ship it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    projects = [root, *(p.parent for p in root.glob("*/pyproject.toml")), *(p.parent for p in root.glob("*/*/pyproject.toml"))]
+    checked = 0
+    for project in projects:
+        listed = tomllib.loads((project / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {}).get("packages")
+        if not listed:
+            continue
+        for top in {name.split(".")[0] for name in listed}:
+            found = {".".join(d.relative_to(project).parts) for d in (project / top).rglob("__init__.py")
+                     for d in [d.parent]}
+            assert found <= set(listed), f"{project.name}: packages {sorted(found - set(listed))} are not listed"
+            checked += 1
+    assert checked >= 10
