@@ -227,3 +227,18 @@ def test_a_received_version_breaks_a_graph_that_saved_the_old_weights() -> None:
     layout.unpack(payload, targets, ready=layout.ready(targets))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+def test_kernels_refuse_tensors_outside_cpu_memory() -> None:
+    """A kernel reads by address: a tensor on another device (a GPU's, here the meta device's)
+    raises ValueError naming it instead of crashing the process."""
+    cpu, meta = torch.zeros(64, dtype=torch.int64), torch.empty(64, dtype=torch.int64, device="meta")
+    idx = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="CPU tensors only, got tensors on cpu, meta"):
+        native.diff_words(cpu, meta, torch.empty(64, dtype=torch.int64), torch.empty(64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="meta"):
+        native.gather(meta, idx, torch.empty(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="meta"):
+        native.scatter(meta, idx, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="meta"):
+        native.ascending(idx.to("meta"), 64)

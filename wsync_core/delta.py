@@ -363,7 +363,8 @@ def _update_native(mirror: torch.Tensor, source: torch.Tensor,
     dtype, or not viewable as words, is cast into scratch a step at a time first)."""
     ratio = 8 // mirror.element_size()
     words = mirror.numel() // ratio
-    direct = source.dtype == mirror.dtype and _words(source) is not None
+    # the kernel reads the source by address: one on another device is copied over a step at a time
+    direct = source.dtype == mirror.dtype and source.device.type == "cpu" and _words(source) is not None
     step = words if direct else max(1, _CHUNK_BYTES // 8)
     parts = max(1, min(torch.get_num_threads(), _MAX_PARTS)) if words * 8 >= _PARALLEL_BYTES else 1
     found: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -231,6 +231,7 @@ def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, va
     where the kernel is not available (check ``available()`` first)."""
     lib = _need()
     size = mirror.element_size()
+    _on_cpu("diff_words", mirror, source, out, values)
     if values.dtype != mirror.dtype or values.numel() < out.numel() or out.numel() < 8:
         raise ValueError("diff_words: values must have mirror's dtype and out's length, out at least 8")
     m = mirror.view(torch.int64)
@@ -252,6 +253,14 @@ def diff_words(mirror: torch.Tensor, source: torch.Tensor, out: torch.Tensor, va
     return pieces
 
 
+def _on_cpu(kernel: str, *tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor is in CPU memory: a kernel reads and writes by address,
+    and a GPU's address read here is a crash, not an error."""
+    if any(t.device.type != "cpu" for t in tensors):
+        where = ", ".join(str(t.device) for t in tensors)
+        raise ValueError(f"{kernel}: the native kernels work on CPU tensors only, got tensors on {where}")
+
+
 def _plain(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and t.element_size() in (1, 2, 4, 8)
 
@@ -266,6 +275,7 @@ def gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None
     ``out`` has ``source``'s dtype and ``index``'s length. Raises RuntimeError where the kernel
     is not available."""
     lib = _need()
+    _on_cpu("gather", source, index, out)
     n = index.numel()
     if out.numel() != n or out.dtype != source.dtype or index.dtype != torch.int32:
         raise ValueError("gather: out must have source's dtype and index's length, index int32")
@@ -274,6 +284,7 @@ def gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None
 
 def ascending(index: torch.Tensor, limit: int) -> bool:
     """Whether int32 ``index`` is strictly ascending and inside ``[0, limit)``."""
+    _on_cpu("ascending", index)
     if index.dtype != torch.int32 or not index.is_contiguous():
         raise ValueError("ascending: index must be contiguous int32")
     return bool(_need().wsync_ascending(index.data_ptr(), index.numel(), limit))
@@ -282,6 +293,7 @@ def ascending(index: torch.Tensor, limit: int) -> bool:
 def scatter(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``target.view(-1)[index[i]] = values[i]`` for int32 ``index`` that ``ascending`` accepted
     for ``target``'s size; ``values`` in ``target``'s dtype."""
+    _on_cpu("scatter", target, index, values)
     n = index.numel()
     if values.numel() != n or values.dtype != target.dtype or index.dtype != torch.int32:
         raise ValueError("scatter: values must have target's dtype and index's length, index int32")

@@ -74,6 +74,18 @@ class TcpTransport(Transport):
                                 late_join=True, auth=True)
     secret_options = ("authkey",)
 
+    @staticmethod
+    def auth_options(good: bool) -> dict[str, Any]:
+        """The conformance suite's hook (``wsync conformance tcp`` runs it): with ``good``, the
+        authkey the sender and its workers share; else one a stranger guessed."""
+        return {"authkey": "the-shared-secret-of-the-suite" if good else "a-guess-at-the-secret"}
+
+    @staticmethod
+    def multi_host_options(host_address: str) -> dict[str, Any]:
+        """The conformance suite's hook: options for a sender that listens on ``host_address`` (its
+        address on a bridge to another network namespace)."""
+        return {"host": host_address, "heartbeat": 2.0}  # a cut link, longer than it: dropped, then reconnected
+
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, advertise: str | None = None,
                  authkey: str | None = None, heartbeat: float = 10.0, checksum: bool = True) -> None:
         advertise = host if advertise is None else advertise

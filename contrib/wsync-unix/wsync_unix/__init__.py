@@ -77,6 +77,12 @@ class UnixTransport(Transport):
     capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True, auth=True)
     secret_options = ("authkey",)
 
+    @staticmethod
+    def auth_options(good: bool) -> dict[str, Any]:
+        """The conformance suite's hook (``wsync conformance unix`` runs it): with ``good``, the
+        authkey the sender and its workers share; else one a stranger guessed."""
+        return {"authkey": "the-shared-secret-of-the-suite" if good else "a-guess-at-the-secret"}
+
     def __init__(self, *, name: str | None = None, authkey: str | None = None, heartbeat: float = 10.0,
                  checksum: bool = False) -> None:
         if name is None:

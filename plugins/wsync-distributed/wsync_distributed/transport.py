@@ -68,6 +68,12 @@ class DistributedTransport(Transport):
     capabilities = Capabilities(processes=True, multi_host=True, cuda=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=False)
 
+    @staticmethod
+    def multi_host_options(host_address: str) -> dict[str, Any]:
+        """The conformance suite's hook: options for a sender that listens on ``host_address`` (its
+        address on a bridge to another network namespace)."""
+        return {"host": host_address}
+
     def __init__(
         self,
         *,

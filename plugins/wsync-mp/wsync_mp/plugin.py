@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+from typing import Any
 
 from wsync_core import hookimpl
 from wsync_core.transport import Capabilities, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint, \
@@ -37,6 +38,12 @@ class MpTransport(Transport):
     capabilities = Capabilities(processes=True, multi_host=False, cuda=False, zero_copy=True, async_send=True,
                                 subset_send=True, late_join=True, auth=True)
     secret_options = ("authkey",)
+
+    @staticmethod
+    def auth_options(good: bool) -> dict[str, Any]:
+        """The conformance suite's hook (``wsync conformance mp`` runs it): with ``good``, the
+        authkey the sender and its workers share; else one a stranger guessed."""
+        return {"authkey": "the-shared-secret-of-the-suite" if good else "a-guess-at-the-secret"}
 
     def __init__(self, *, address: str | None = None, authkey: str | None = None, max_slots: int | None = None,
                  checksum: bool = False, zero_copy: bool | None = None) -> None:

@@ -33,6 +33,12 @@ class RpcTransport(Transport):
     capabilities = Capabilities(processes=True, multi_host=True, cuda=False, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=False, auth=False)
 
+    @staticmethod
+    def multi_host_options(host_address: str) -> dict[str, object]:
+        """The conformance suite's hook: options for a sender that listens on ``host_address`` (its
+        address on a bridge to another network namespace)."""
+        return {"host": host_address, "rpc_timeout": 20.0}
+
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, world_size: int | None = None,
                  rpc_timeout: float = 60.0, checksum: bool = False) -> None:
         if not float(rpc_timeout) > 0:

@@ -7,6 +7,7 @@ on other hosts build their own scheme with the same options. Without ``address``
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,12 @@ def _check_key(value: Any, option: str) -> str:
     return key
 
 
+@functools.cache
+def _suite_keys() -> tuple[tuple[str, str], ...]:
+    """Three CURVE key pairs (server, client, stranger) for the conformance suite's auth hook."""
+    return tuple((public.decode(), secret.decode()) for public, secret in (zmq.curve_keypair() for _ in range(3)))
+
+
 class ZmqTransport(Transport):
     """Weights over ZeroMQ: one sender ROUTER, one DEALER per receiver, zero-copy payload frames.
 
@@ -73,6 +80,23 @@ class ZmqTransport(Transport):
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=True)
     secret_options = ("curve_server_secret", "curve_client_secret")
+
+    @staticmethod
+    def auth_options(good: bool) -> dict[str, Any]:
+        """The conformance suite's hook (``wsync conformance zmq`` runs it): with ``good``, CURVE
+        keys the sender and its workers share, only the client key allowed; else a stranger that
+        knows the server's public key but holds a key the sender does not allow."""
+        server, client, stranger = _suite_keys()
+        if good:
+            return {"curve_server_key": server[0], "curve_server_secret": server[1], "curve_client_key": client[0],
+                    "curve_client_secret": client[1], "curve_allowed_clients": [client[0]]}
+        return {"curve_server_secret": None, "curve_client_key": stranger[0], "curve_client_secret": stranger[1]}
+
+    @staticmethod
+    def multi_host_options(host_address: str) -> dict[str, Any]:
+        """The conformance suite's hook: options for a sender that listens on ``host_address`` (its
+        address on a bridge to another network namespace)."""
+        return {"address": f"tcp://{host_address}:{free_port(host_address)}"}
 
     def __init__(
         self,
