@@ -37,7 +37,7 @@ def _command(args: list[str], out: Path) -> list[str]:
 #: broken transports each run through ``wsync conformance`` (the command's own behaviour is under
 #: test: a hang past every interruption, the run going on) or that wait out long timeouts; the
 #: rest run as test classes of one pytest process beside them, as a third party's tests would
-BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "DeadlineIgnored", "BlockingPublish", "HoardingSender",
+BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "CrashesInC", "DeadlineIgnored", "BlockingPublish", "HoardingSender",
               "IgnoresRestart", "NoReconnect", "DroppedAck")
 #: the reference transport, run through the whole suite by the command first, beside the broken ones
 REFERENCE = "inproc"
@@ -156,6 +156,16 @@ def test_a_call_blocked_in_c_ends_its_process_and_the_run_goes_on(runs) -> None:
     (test, reason), = results["live"]["failed"]
     assert test == "test_versioned_counts_and_content" and "SenderEndpoint.publish()" in reason, log[-4000:]
     assert "going on with the rest" in log and results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
+
+
+def test_a_crash_in_native_code_fails_its_test_naming_the_signal_and_the_run_goes_on(runs) -> None:
+    """A publish that crashes the process (SIGSEGV): wsync conformance records the test it died in
+    as failed under that test's guarantee, naming the signal, and runs the rest in a new process."""
+    code, log, results = runs["CrashesInC"]
+    (test, reason), = results["versioned"]["failed"]
+    assert test == "test_versioned_counts_and_content" and "SIGSEGV" in reason, log[-4000:]
+    assert "crashed the test process (SIGSEGV); going on with the rest" in log, log[-4000:]
+    assert results["ordered"]["passed"] == ["test_ordered_sender"], log[-4000:]
 
 
 def test_a_receiver_ignoring_its_deadline_is_named(runs) -> None:

@@ -23,7 +23,7 @@ __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldV
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
            "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored",
-           "WorkerWritesKept"]
+           "WorkerWritesKept", "CrashesInC"]
 
 
 class _BrokenReceiver(_Receiver):
@@ -434,6 +434,21 @@ BlockedInC = _transport("BlockedInC", sender=_BlockedInC)
 BROKEN["BlockedInC"] = "live"
 # the process running the hung test is ended; wsync conformance goes on with the ordered test
 SELECT["BlockedInC"] = "test_versioned_counts_and_content or test_ordered_sender"
+
+
+class _CrashesInC(_BlockingPublish):
+    """From the fourth publish on, publish() crashes the process (a fault in a native extension)."""
+
+    def block(self) -> None:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+CrashesInC = _transport("CrashesInC", sender=_CrashesInC)
+BROKEN["CrashesInC"] = "versioned"
+# the test it crashes in fails under its own guarantee, naming the signal; the ordered test still runs
+SELECT["CrashesInC"] = "test_versioned_counts_and_content or test_ordered_sender"
 
 
 class _CorruptDelta(_Receiver):

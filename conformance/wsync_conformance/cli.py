@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
 def run_suite(argv: list[str], collector) -> int:
     """Run pytest ``argv`` in a child process, recording outcomes into ``collector``. If the
     child ends with the watchdog's status (a test hung in C, past every interruption), the hung
-    test is recorded as failed under live and the run goes on without the tests already run.
-    Returns pytest's exit status."""
+    test is recorded as failed under live; if it dies of a signal (a crash in native code), the
+    test it died in is recorded as failed under its guarantee, naming the signal. Either way the
+    run goes on without the tests already run. Returns pytest's exit status."""
     from .report import Outcome
     from .watchdog import HUNG_EXIT_STATUS
 
@@ -94,27 +96,42 @@ def run_suite(argv: list[str], collector) -> int:
             open(path, "w").close()
             cmd = [sys.executable, "-m", "pytest", *argv, f"--wsync-results={path}", *(f"--deselect={n}" for n in skip)]
             code = subprocess.call(cmd)
-            started: list[str] = []
+            started: list[dict] = []
             hung: dict[str, str] = {}
             with open(path) as f:
                 for line in f:
                     rec = json.loads(line)
                     if "started" in rec:
-                        started.append(rec["started"])
+                        started.append(rec)
                     elif "hung" in rec:
                         hung[rec["hung"]] = rec["message"]
                     else:
                         collector.outcomes[rec["nodeid"]] = Outcome(rec["test"], rec["status"], rec["reason"],
                                                                     rec["guarantees"], rec["capabilities"])
-            if code != HUNG_EXIT_STATUS or not started:
+            if code != HUNG_EXIT_STATUS and code >= 0 or not started:
                 return code
-            last = started[-1]
-            if last not in collector.outcomes or collector.outcomes[last].status != "failed":
-                name = last.rsplit("::", 1)[-1]
-                collector.outcomes[last] = Outcome(name, "failed", "Hung: " + hung.get(
+            rec = started[-1]
+            last = rec["started"]
+            if code == HUNG_EXIT_STATUS:
+                what = "hung past every interruption"
+                outcome = Outcome(rec["test"], "failed", "Hung: " + hung.get(
                     last, "the test hung in a call that could not be interrupted; the process was ended"), ["live"])
-            print(f"\nwsync conformance: {last} hung past every interruption; going on with the rest\n", flush=True)
-            skip = sorted(set(skip) | set(started))
+            else:
+                what = f"crashed the test process ({_signal_name(-code)})"
+                outcome = Outcome(rec["test"], "failed", f"Crashed: the test process died of {_signal_name(-code)} "
+                                  f"in this test (a fault in native code; its stack is printed above)",
+                                  rec["guarantees"][:1], rec["capabilities"])
+            if last not in collector.outcomes or collector.outcomes[last].status != "failed":
+                collector.outcomes[last] = outcome
+            print(f"\nwsync conformance: {last} {what}; going on with the rest\n", flush=True)
+            skip = sorted(set(skip) | {r["started"] for r in started})
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import pytest
 
 from .guarantees import CAPABILITY_NAMES, GUARANTEES
 
-__all__ = ["Collector", "Outcome", "ResultsWriter", "format_table", "note_hung"]
+__all__ = ["Collector", "Outcome", "ResultsWriter", "format_table", "marks", "note_hung"]
 
 #: where the running ResultsWriter appends (for the watchdog's last word)
 _results_path: list[str] = []
@@ -43,6 +43,12 @@ def _reason(report: pytest.TestReport, call: pytest.CallInfo) -> str:
     return ""
 
 
+def marks(item: pytest.Item) -> tuple[list[str], list[str]]:
+    """The guarantees and the capabilities a suite test is marked with."""
+    return ([n for m in item.iter_markers("wsync_guarantee") for n in m.args],
+            [n for m in item.iter_markers("wsync_capability") for n in m.args])
+
+
 class Collector:
     """Records each wsync conformance test's outcome under the guarantees it is marked with."""
 
@@ -53,7 +59,7 @@ class Collector:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         result = yield
         report = result.get_result()
-        names = [n for m in item.iter_markers("wsync_guarantee") for n in m.args]
+        names, caps = marks(item)
         if not names:
             return
         test = item.name
@@ -72,7 +78,6 @@ class Collector:
             prior = self.outcomes.get(item.nodeid)
             if prior is None or prior.status != "failed":
                 reason = hung if report.failed and dog is not None and dog.message else _reason(report, call)
-                caps = [n for m in item.iter_markers("wsync_capability") for n in m.args]
                 self.outcomes[item.nodeid] = Outcome(test, status, reason, blamed, caps)
 
     def by_guarantee(self) -> dict[str, dict[str, Any]]:
@@ -106,8 +111,8 @@ class Collector:
 
 
 class ResultsWriter(Collector):
-    """A Collector that also appends each test's start and outcome to a file, one JSON line
-    each, so a parent process keeps them if this one is ended by the watchdog."""
+    """A Collector that also appends each test's start (with its marks) and outcome to a file, one
+    JSON line each, so a parent process keeps them if this one is ended by the watchdog or dies."""
 
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -118,8 +123,10 @@ class ResultsWriter(Collector):
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
-        self._append({"started": nodeid})
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        names, caps = marks(item)
+        self._append({"started": item.nodeid, "test": item.name, "guarantees": names, "capabilities": caps})
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
