@@ -156,3 +156,15 @@ def test_delta_pairs_runs_the_cases_in_the_order_asked(tmp_path) -> None:
     bad = subprocess.run([sys.executable, str(script), "--cases", "full,nope"], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown cases ['nope']" in bad.stderr
+
+
+@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
+def test_device_sync_checks_what_the_workers_hold(tmp_path) -> None:
+    """``benchmarks/device_sync.py`` (a GPU model to worker processes; here on the CPU) prints its
+    percentiles, the floor, and that every worker holds the last version exactly."""
+    script = Path(__file__).parents[1] / "device_sync.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--sizes", "64KiB", "--workers", "1",
+                          "--repeat", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.match(r"shm 64KiB to 1 workers on cpu: p50 [0-9.]+ ms, p99 [0-9.]+ ms; floor [0-9.]+ ms .*"
+                    r"workers' models on cpu, exact$", out.stdout.strip()), out.stdout
