@@ -628,6 +628,22 @@ if TcpTransport is not None:
     SELECT["ListenerLeft"] = "test_clean_after_shutdown"
     __all__ += ["ListenerLeft"]
 
+    class _AbortsAtExit(_TcpReceiver):
+        """Closes, but leaves work that ends its process with SIGABRT at exit (as a native thread
+        left running does: "terminate called without an active exception")."""
+
+        def close(self) -> None:
+            import atexit
+            import os
+
+            super().close()
+            atexit.register(os.abort)
+
+    AbortsAtExit = _tcp("AbortsAtExit", receiver=_AbortsAtExit)
+    BROKEN["AbortsAtExit"] = "clean"
+    SELECT["AbortsAtExit"] = "test_clean_receiver_process_exits_with_status_0"
+    __all__ += ["AbortsAtExit"]
+
     def _listens_everywhere(self, **options) -> None:  # its default: every interface, not loopback
         TcpTransport.__init__(self, **{"host": "0.0.0.0", "advertise": "127.0.0.1", **options})
 

@@ -54,6 +54,31 @@ class CleanChecks:
 
     @guarantee("clean")
     @capability("processes")
+    def test_clean_receiver_process_exits_with_status_0(self, wsync: Context) -> None:
+        """A receiver process that shuts its scheme down and returns from its main (the sender still
+        up, as a rollout worker's pool ends) exits with status 0: no thread of the transport's left
+        running into the interpreter's exit (C++ aborts it: "terminate called without an active
+        exception", SIGABRT)."""
+        wsync.require("processes")
+        workers = wsync.workers(2)
+        s = wsync.session(version_spec(), workers=workers)
+        for v in (1, 2):
+            fill_version(s.model, v)
+            s.check(s.send())
+        codes = {}
+        for i, w in enumerate(workers):
+            w.exit()  # shutdown(), then a normal end of the process
+            codes[i] = w.runner.returncode if w.kind == "launched" else w.runner.exitcode
+        s.scheme.shutdown()
+        bad = {i: c for i, c in codes.items() if c != 0}
+        if bad:
+            raise violated("clean", "receiver processes that shut down and returned exited with "
+                           + ", ".join(f"worker {i}: status {c}" + (" (SIGABRT: a thread left running into "
+                                                                    "the exit)" if c == -6 else "")
+                                       for i, c in bad.items()))
+
+    @guarantee("clean")
+    @capability("processes")
     def test_clean_after_receiver_exit(self, wsync: Context) -> None:
         """A receiver process that exits without shutdown(): the sender names it, and after the
         sender's shutdown nothing of either is left behind."""

@@ -135,8 +135,10 @@ class DistributedReceiver(ReceiverBase):
                 store.queue_push(wire.inbox_key(self.inbox), wire.encode_control(wire.Control(kind="stop")))
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
                 log.debug("%s: goodbye failed: %s", self.what, wire.brief(exc))
-        self._drop_link()
-        for thread in self.threads:
+        reaper = self._drop_link()
+        # the link's abort ends before the process can: gloo threads still running at exit end it
+        # with std::terminate ("terminate called without an active exception", SIGABRT)
+        for thread in [*self.threads, *([reaper] if reaper else [])]:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
                 log.warning("%s: thread %s did not stop", self.what, thread.name)
@@ -317,14 +319,15 @@ class DistributedReceiver(ReceiverBase):
             return store
         return None
 
-    def _drop_link(self, slot: int | None = None, works: list | None = None) -> None:
+    def _drop_link(self, slot: int | None = None, works: list | None = None) -> threading.Thread | None:
         """Forget the link; a thread of its own aborts it and lets go of its ``works`` (gloo may wait
-        for a peer that is gone in either), then frees ``slot``, which those works may write until then."""
+        for a peer that is gone in either), then frees ``slot``, which those works may write until
+        then. Returns that thread (None if there was nothing to abort)."""
         link, self.link = self.link, None
         if link is None and works is None:
             if slot is not None:
                 self._release(slot)
-            return
+            return None
         pending = [works]  # the last reference: dropped in the reaper, never in the receive thread
 
         def reap() -> None:
@@ -334,7 +337,9 @@ class DistributedReceiver(ReceiverBase):
             if slot is not None:
                 self._release(slot)
 
-        threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True).start()
+        reaper = threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True)
+        reaper.start()
+        return reaper
 
     def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
         """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if
