@@ -1,14 +1,20 @@
 """A model on a GPU synced to worker processes whose models are on the same GPU, against the copies
 isolation needs, measured raw in the same run (issue 21).
 
-The trainer holds a state_dict of four float32 tensors on ``--device``; each worker process holds
-its own model on that device. ``send()`` (sync) is timed after warm-up sends. The floor is what
+The trainer holds a module of four float32 parameters on ``--device``; each worker process holds
+its own module on that device. ``send()`` (sync) is timed after warm-up sends. The floor is what
 no transport that keeps workers isolated can skip: one copy of the snapshot off the device (here:
 into host memory, as shm's slot) and one copy onto the device per worker; the floor's copies are
 timed in the trainer's process with the same sizes (device to pageable host, pageable host to
 device; the workers' copies onto the device run side by side, so the floor counts one).
 
+``--transport torchrl:SharedMem`` (or ``torchrl:MultiProcess``) runs TorchRL's scheme of that
+name the way its collectors do (a TensorDict of the trainer's weights, ``send(weights=...)``
+after copying the live weights into it; its workers apply them in a thread of their own), in the
+same harness.
+
     python benchmarks/device_sync.py --transport shm --sizes 10MiB,1GiB --workers 2 --repeat 20
+    python benchmarks/device_sync.py --transport torchrl:SharedMem --sizes 10MiB,1GiB
     python benchmarks/device_sync.py --device cpu --sizes 1MiB --repeat 3    (a smoke run)
 """
 
@@ -25,9 +31,14 @@ from wsync_bench.harness import format_size, parse_size
 from wsync_core import WeightSyncScheme
 
 
-def _model(nbytes: int, device: str) -> dict[str, torch.Tensor]:
-    n = max(1, nbytes // 16)
-    return {f"w{i}": torch.zeros(n, dtype=torch.float32, device=device) for i in range(4)}
+class _Policy(torch.nn.Module):
+    """Four float32 parameters of ``nbytes`` in all, zeros, on ``device``."""
+
+    def __init__(self, nbytes: int, device: str) -> None:
+        super().__init__()
+        n = max(1, nbytes // 16)
+        for i in range(4):
+            self.register_parameter(f"w{i}", torch.nn.Parameter(torch.zeros(n, device=device), requires_grad=False))
 
 
 def _sync(device: str) -> None:
@@ -35,16 +46,44 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _worker(scheme: WeightSyncScheme, idx: int, nbytes: int, device: str, ready, stop, out) -> None:
-    model = _model(nbytes, device)
-    scheme.init_on_receiver(model=model, worker_idx=idx)
-    scheme.connect()
+def _worker(scheme, idx: int, nbytes: int, device: str, ready, stop, out) -> None:
+    model = _Policy(nbytes, device)
+    torchrl = not isinstance(scheme, WeightSyncScheme)
+    if torchrl:
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=idx)
+        scheme.connect(worker_idx=idx)
+    else:
+        scheme.init_on_receiver(model=model, worker_idx=idx)
+        scheme.connect()
     ready.put(idx)
     while not stop.is_set():
-        scheme.receive(timeout=0.2)
-    # what the worker holds: its device, and the sum of the first tensor (the trainer checks it)
-    out.put((idx, str(model["w0"].device), float(model["w0"].double().sum()), scheme.version))
+        if torchrl:  # its schemes apply weights in a thread of their own (or alias the trainer's)
+            stop.wait(0.2)
+        else:
+            scheme.receive(timeout=0.2)
+    # what the worker holds: its device, the sum of its first tensor and its version (checked by the trainer)
+    out.put((idx, str(model.w0.device), float(model.w0.detach().double().sum()), -1 if torchrl else scheme.version))
     scheme.shutdown()
+
+
+def _torchrl_sender(kind: str, model: torch.nn.Module, workers: int, device: str, ctx):
+    """TorchRL's scheme ``kind`` set up as its collectors do; returns (scheme, send)."""
+    import torchrl.weight_update as wu
+    from tensordict import TensorDict
+
+    live = TensorDict.from_module(model)
+    buffer = live.detach().clone()  # the trainer copies into it before every send
+    scheme = getattr(wu, f"{kind}WeightSyncScheme")()
+    # SharedMem shares `buffer` itself with the workers (their models alias it); MultiProcess moves it
+    initial = buffer if kind == "SharedMem" else live.detach().clone()
+    scheme.init_on_sender(model_id="policy", weights=initial, devices=[torch.device(device)] * workers, ctx=ctx)
+
+    def send() -> None:
+        with torch.no_grad():
+            buffer.update_(live)
+        scheme.send(weights=buffer)
+
+    return scheme, send
 
 
 def _percentiles(times: list[float]) -> tuple[float, float]:
@@ -74,9 +113,14 @@ def _floor(nbytes: int, device: str, repeat: int) -> tuple[float, float]:
 def run(transport: str, nbytes: int, workers: int, repeat: int, device: str) -> str:
     """One size: the sends' p50/p99, the floor and their ratio, and what each worker held."""
     ctx = mp.get_context("spawn")
-    model = _model(nbytes, device)
-    sender = WeightSyncScheme(transport, timeout=120.0)
-    sender.init_on_sender(model=model, num_workers=workers)
+    off, on = _floor(nbytes, device, repeat)  # first: nothing else runs yet
+    model = _Policy(nbytes, device)
+    if transport.startswith("torchrl:"):
+        sender, send = _torchrl_sender(transport.removeprefix("torchrl:"), model, workers, device, ctx)
+    else:
+        sender = WeightSyncScheme(transport, timeout=120.0)
+        sender.init_on_sender(model=model, num_workers=workers)
+        send = sender.send
     ready, stop, out = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(sender, i, nbytes, device, ready, stop, out))  # the scheme pickles
              for i in range(workers)]
@@ -89,11 +133,12 @@ def run(transport: str, nbytes: int, workers: int, repeat: int, device: str) -> 
         times, last = [], -1
         for _ in range(repeat + 3):
             with torch.no_grad():
-                model["w0"].add_(1.0)
+                model.w0.add_(1.0)
             _sync(device)
             t0 = time.perf_counter()
-            last = sender.send()
+            last = send()
             times.append(time.perf_counter() - t0)
+        time.sleep(0.5)  # (TorchRL's workers apply in their next receive(): not timed, but checked)
         stop.set()
         held = sorted(out.get(timeout=120) for _ in procs)
     finally:
@@ -104,9 +149,8 @@ def run(transport: str, nbytes: int, workers: int, repeat: int, device: str) -> 
                 p.kill()
         sender.shutdown()
     p50, p99 = _percentiles(times[3:])
-    off, on = _floor(nbytes, device, repeat)
-    want = float(model["w0"].double().sum())
-    exact = all(h[2] == want and h[3] == last for h in held)
+    want = float(model.w0.detach().double().sum())
+    exact = all(h[2] == want and h[3] == (-1 if last is None else last) for h in held)
     where = ",".join(sorted({h[1] for h in held}))
     return (f"{transport} {format_size(nbytes)} to {workers} workers on {device}: p50 {p50 * 1e3:.3f} ms, "
             f"p99 {p99 * 1e3:.3f} ms; floor {(off + on) * 1e3:.3f} ms (off the device {off * 1e3:.3f}, onto it "
