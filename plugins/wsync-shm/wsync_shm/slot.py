@@ -4,6 +4,11 @@ A slot file is a 64-byte head, whose first 8 bytes hold the *generation* of the 
 it, followed by the payload. Readers hold a shared ``flock`` on the file while they read it;
 the sender takes an exclusive one, without waiting, before it writes. The kernel drops a
 dead process's locks, so a killed reader never pins a slot.
+
+A *device slot* keeps its payload in the sender's GPU memory: the file then holds, after the head,
+the CUDA IPC handle of that memory (what ``torch.UntypedStorage._share_cuda_`` gives), which each
+worker opens once; its copy into its own model then runs device to device. The lock and the
+generation work as for a host slot.
 """
 
 from __future__ import annotations
@@ -25,6 +30,64 @@ SHM_DIR = "/dev/shm"
 #: bytes before the payload (keeps the payload 64-byte aligned)
 HEAD = 64
 _GEN = struct.Struct("<Q")
+#: after the generation: 1 for a device slot, and the length of its handle record after the head
+_KIND = struct.Struct("<II")
+#: a device slot's handle record: device, storage bytes, offset, ref counter offset, event sync, then
+#: the handle, the ref counter's name and the event handle, each with a 2-byte length
+_RECORD = struct.Struct("<iqqqB")
+_PART = struct.Struct("<H")
+#: room for the record in a device slot's file
+RECORD_BYTES = 1024
+
+
+def encode_handle(shared: tuple) -> bytes:
+    """A device slot's record: the tuple ``UntypedStorage._share_cuda_()`` returns, as bytes."""
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = shared
+    out = _RECORD.pack(int(device), int(size), int(offset), int(ref_offset), int(bool(sync)))
+    for part in (handle, ref_handle, event_handle or b""):
+        out += _PART.pack(len(part)) + bytes(part)
+    if len(out) > RECORD_BYTES:
+        raise TransportError(f"a CUDA IPC handle of {len(out)} bytes does not fit a slot's {RECORD_BYTES}")
+    return out
+
+
+def decode_handle(data: bytes, nbytes: int) -> tuple:
+    """The tuple ``UntypedStorage._new_shared_cuda`` takes, from a record of a payload of ``nbytes``;
+    raises TransportError naming what is wrong with a malformed one."""
+    if len(data) < _RECORD.size:
+        raise TransportError(f"a device slot's handle record has {len(data)} bytes, expected at least {_RECORD.size}")
+    device, size, offset, ref_offset, sync = _RECORD.unpack_from(data, 0)
+    if not 0 <= device < 1024 or size < nbytes or offset < 0 or ref_offset < 0 or sync > 1:
+        raise TransportError(f"a device slot's handle record is out of range (device {device}, {size} bytes at "
+                             f"offset {offset}, for a payload of {nbytes})")
+    parts, at = [], _RECORD.size
+    for _ in range(3):
+        if at + _PART.size > len(data):
+            raise TransportError("a device slot's handle record is truncated")
+        (n,), at = _PART.unpack_from(data, at), at + _PART.size
+        if at + n > len(data):
+            raise TransportError("a device slot's handle record is truncated")
+        parts.append(bytes(data[at:at + n]))
+        at += n
+    if at != len(data) or not parts[0] or not parts[1]:
+        raise TransportError("a device slot's handle record is malformed")
+    return device, parts[0], size, offset, parts[1], ref_offset, parts[2], bool(sync)
+
+
+def _open_device_payload(record: bytes, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the sender's GPU memory that ``record`` names; raises TransportError if it
+    cannot be opened here (no CUDA, another machine's handle, a malformed record)."""
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = decode_handle(record, nbytes)
+    if not torch.cuda.is_available():
+        raise TransportError("the shm sender keeps its snapshots in GPU memory, and torch here has no CUDA; "
+                             "give the sender's transport cuda_ipc=False to stage them in host memory")
+    try:
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref_handle, ref_offset,
+                                                         event_handle, sync)
+    except RuntimeError as exc:
+        raise TransportError(f"cannot open the shm sender's GPU memory (CUDA IPC, device {device}): {exc}") from None
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage, 0, (nbytes,))
 
 
 class Slot:
@@ -44,16 +107,26 @@ class Slot:
         self._private: memory.PrivateMap | None = None  # a zero-copy reader's, kept across deliveries
 
     @classmethod
-    def create(cls, path: str, nbytes: int) -> Slot:
-        """Create, size and map a new slot file; raises TransportError if it exists or /dev/shm is full."""
-        slot = memory.Slot.file(path, nbytes, offset=HEAD)
-        return cls(path, slot.fd, slot.map, slot.tensor, writable=True, size=HEAD + nbytes)
+    def create(cls, path: str, nbytes: int, device: torch.device | None = None) -> Slot:
+        """Create, size and map a new slot file; with a CUDA ``device``, a device slot whose payload
+        is that GPU's memory. Raises TransportError if the file exists or /dev/shm is full."""
+        if device is None or device.type != "cuda" or not nbytes:
+            slot = memory.Slot.file(path, nbytes, offset=HEAD)
+            return cls(path, slot.fd, slot.map, slot.tensor, writable=True, size=HEAD + nbytes)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        record = encode_handle(payload.untyped_storage()._share_cuda_())
+        slot = memory.Slot.file(path, RECORD_BYTES, offset=HEAD)
+        _KIND.pack_into(slot.map, _GEN.size, 1, len(record))
+        slot.map[HEAD:HEAD + len(record)] = record
+        return cls(path, slot.fd, slot.map, payload, writable=True, size=HEAD + RECORD_BYTES)
 
     @classmethod
-    def open(cls, path: str, *, shared_payload: bool = True) -> Slot:
-        """Map an existing slot file read-only; with ``shared_payload=False`` only its head (a
-        zero-copy reader maps the payload privately per delivery: ``private_payload``), and
-        ``payload`` is empty. Raises TransportError if the file is missing or malformed."""
+    def open(cls, path: str, nbytes: int, *, shared_payload: bool = True) -> Slot:
+        """Map an existing slot file of a payload of ``nbytes`` read-only; with ``shared_payload=False``
+        only its head (a zero-copy reader maps the payload privately per delivery:
+        ``private_payload``), and ``payload`` is empty; a device slot's payload is the sender's GPU
+        memory, opened here. Raises TransportError if the file is missing or malformed, or the GPU
+        memory cannot be opened."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -62,11 +135,23 @@ class Slot:
             size = os.fstat(fd).st_size
             if size < HEAD:
                 raise TransportError(f"shared-memory file {path} has {size} bytes, expected at least {HEAD}")
-            mm, payload = memory.map_shared(fd, size if shared_payload else HEAD, offset=HEAD)
+            kind, length = _KIND.unpack_from(os.pread(fd, HEAD, 0), _GEN.size)
+            if kind == 1:
+                if not 0 < length <= min(RECORD_BYTES, size - HEAD):
+                    raise TransportError(f"shared-memory file {path} names a handle record of {length} bytes")
+                mm, _ = memory.map_shared(fd, HEAD, offset=HEAD)
+                payload = _open_device_payload(os.pread(fd, length, HEAD), nbytes)
+            else:
+                mm, payload = memory.map_shared(fd, size if shared_payload else HEAD, offset=HEAD)
         except BaseException:
             os.close(fd)
             raise
         return cls(path, fd, mm, payload, writable=False, size=size)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the payload is GPU memory (a device slot)."""
+        return self.payload.is_cuda
 
     def private_payload(self) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """A copy-on-write view of the payload (reads see the slot's bytes, writes stay in this

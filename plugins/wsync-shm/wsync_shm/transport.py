@@ -89,6 +89,8 @@ class _Sender(SenderEndpoint):
     def __init__(self, transport: ShmTransport, ctx: SenderContext) -> None:
         self._name: str = transport.options["name"]
         self._nbytes = ctx.layout.nbytes
+        # a GPU model's snapshots stay in GPU memory that workers open by its CUDA IPC handle
+        self._device = ctx.device if ctx.device.type == "cuda" and transport.options["cuda_ipc"] else None
         self._num_workers = ctx.num_workers
         self._token = secrets.token_hex(6)
         self._slots: list[Slot] = []
@@ -130,7 +132,7 @@ class _Sender(SenderEndpoint):
         path = _slot_path(self._name, self._token, index)
         self._reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
         self._reaper.stdin.flush()
-        self._slots.append(Slot.create(path, self._nbytes))
+        self._slots.append(Slot.create(path, self._nbytes, self._device))
         self._buffers.append(Buffer(self._slots[index].payload, index))
         return index
 
@@ -227,6 +229,8 @@ class _Sender(SenderEndpoint):
             raise TransportError("publish() got a buffer that acquire() did not return")
         if index == self._acquired:
             self._acquired = None
+            if self._device is not None:  # the core's copy into a device slot may still be running
+                torch.cuda.synchronize(self._device)
             self._slots[index].unlock()
             self._latest = index
         gen = self._slots[index].gen
@@ -357,6 +361,7 @@ class _Receiver(ReceiverEndpoint):
     def __init__(self, transport: ShmTransport, ctx: ReceiverContext) -> None:
         self._name: str = transport.options["name"]
         self._worker = ctx.worker_idx
+        self._nbytes = ctx.layout.nbytes
         self._sock: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
         self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
@@ -460,7 +465,7 @@ class _Receiver(ReceiverEndpoint):
         if slot is None:
             if index >= 4096:
                 raise TransportError(f"worker {self._worker}: the shm sender named slot {index}")
-            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index),
+            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index), self._nbytes,
                                                   shared_payload=not self._zero_copy)
         if not slot.try_lock(exclusive=False):
             return None
@@ -477,7 +482,7 @@ class _Receiver(ReceiverEndpoint):
                 self._drained = False
                 slot.unlock()
 
-        if self._zero_copy:
+        if self._zero_copy and not slot.on_device:
             payload, warm = slot.private_payload()
             return Delivery(header, payload, release, adoptable=True, warm=warm)
         return Delivery(header, slot.payload, release)
@@ -553,6 +558,12 @@ class ShmTransport(Transport):
     writes to its tensors stay its own. ``zero_copy=False`` copies into the tensors the model
     already has (for code that holds tensors across ``receive()``). The default, None, maps
     models of 1 MiB and more and copies smaller ones (cheaper than mapping them).
+
+    A sender whose model is on a GPU keeps its snapshots in that GPU's memory, which workers open
+    by its CUDA IPC handle and copy from device to device into their own models (isolated as
+    always: no worker views the sender's memory after its receive). ``cuda_ipc=False`` stages
+    them in host memory instead (workers whose torch has no CUDA, or on another GPU without
+    peer access).
     """
 
     name = "shm"
@@ -561,11 +572,12 @@ class ShmTransport(Transport):
                                 late_join=True, cuda=True)
 
     def __init__(self, *, name: str | None = None, checksum: bool = False,
-                 zero_copy: bool | None = None) -> None:
+                 zero_copy: bool | None = None, cuda_ipc: bool = True) -> None:
         name = name or uuid.uuid4().hex[:16]
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
-        super().__init__(name=name, checksum=bool(checksum), zero_copy=None if zero_copy is None else bool(zero_copy))
+        super().__init__(name=name, checksum=bool(checksum), zero_copy=None if zero_copy is None else bool(zero_copy),
+                         cuda_ipc=bool(cuda_ipc))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)
