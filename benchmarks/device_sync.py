@@ -14,6 +14,7 @@ after copying the live weights into it; its workers apply them in a thread of th
 same harness.
 
     python benchmarks/device_sync.py --transport shm --sizes 10MiB,1GiB --workers 2 --repeat 20
+    python benchmarks/device_sync.py --transport shm -o cuda_ipc=true --sizes 10MiB,1GiB
     python benchmarks/device_sync.py --transport torchrl:SharedMem --sizes 10MiB,1GiB
     python benchmarks/device_sync.py --device cpu --sizes 1MiB --repeat 3    (a smoke run)
 """
@@ -21,6 +22,7 @@ same harness.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import time
@@ -110,7 +112,7 @@ def _floor(nbytes: int, device: str, repeat: int) -> tuple[float, float]:
     return _percentiles(off[2:])[0], _percentiles(on[2:])[0]
 
 
-def run(transport: str, nbytes: int, workers: int, repeat: int, device: str) -> str:
+def run(transport: str, nbytes: int, workers: int, repeat: int, device: str, options: dict | None = None) -> str:
     """One size: the sends' p50/p99, the floor and their ratio, and what each worker held."""
     ctx = mp.get_context("spawn")
     off, on = _floor(nbytes, device, repeat)  # first: nothing else runs yet
@@ -118,7 +120,7 @@ def run(transport: str, nbytes: int, workers: int, repeat: int, device: str) -> 
     if transport.startswith("torchrl:"):
         sender, send = _torchrl_sender(transport.removeprefix("torchrl:"), model, workers, device, ctx)
     else:
-        sender = WeightSyncScheme(transport, timeout=120.0)
+        sender = WeightSyncScheme(transport, timeout=120.0, **(options or {}))
         sender.init_on_sender(model=model, num_workers=workers)
         send = sender.send
     ready, stop, out = ctx.Queue(), ctx.Event(), ctx.Queue()
@@ -165,11 +167,20 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--device", default="cuda")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a transport option (a JSON value, else a string), e.g. cuda_ipc=true")
     args = p.parse_args()
+    options = {}
+    for item in args.option:
+        key, _, text = item.partition("=")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
     if args.device.startswith("cuda"):
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for size in args.sizes.split(","):
-        print(run(args.transport, parse_size(size), args.workers, args.repeat, args.device), flush=True)
+        print(run(args.transport, parse_size(size), args.workers, args.repeat, args.device, options), flush=True)
 
 
 if __name__ == "__main__":

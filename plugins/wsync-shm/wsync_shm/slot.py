@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -51,15 +52,15 @@ def encode_handle(shared: tuple) -> bytes:
     return out
 
 
-def decode_handle(data: bytes, nbytes: int) -> tuple:
-    """The tuple ``UntypedStorage._new_shared_cuda`` takes, from a record of a payload of ``nbytes``;
-    raises TransportError naming what is wrong with a malformed one."""
+def decode_handle(data: bytes) -> tuple:
+    """The tuple ``UntypedStorage._new_shared_cuda`` takes, from a record; raises TransportError
+    naming what is wrong with a malformed one."""
     if len(data) < _RECORD.size:
         raise TransportError(f"a device slot's handle record has {len(data)} bytes, expected at least {_RECORD.size}")
     device, size, offset, ref_offset, sync = _RECORD.unpack_from(data, 0)
-    if not 0 <= device < 1024 or size < nbytes or offset < 0 or ref_offset < 0 or sync > 1:
+    if not 0 <= device < 1024 or size <= 0 or offset < 0 or ref_offset < 0 or sync > 1:
         raise TransportError(f"a device slot's handle record is out of range (device {device}, {size} bytes at "
-                             f"offset {offset}, for a payload of {nbytes})")
+                             f"offset {offset})")
     parts, at = [], _RECORD.size
     for _ in range(3):
         if at + _PART.size > len(data):
@@ -74,20 +75,32 @@ def decode_handle(data: bytes, nbytes: int) -> tuple:
     return device, parts[0], size, offset, parts[1], ref_offset, parts[2], bool(sync)
 
 
-def _open_device_payload(record: bytes, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over the sender's GPU memory that ``record`` names; raises TransportError if it
-    cannot be opened here (no CUDA, another machine's handle, a malformed record)."""
-    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = decode_handle(record, nbytes)
+#: (handle, offset) -> the payload this process exported or opened under it: CUDA opens a handle
+#: once per process, and never in the process that exported it (a sender and its receivers may
+#: share one process)
+_OPENED: weakref.WeakValueDictionary[tuple[bytes, int], torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _open_device_payload(record: bytes) -> torch.Tensor:
+    """A uint8 tensor over the sender's GPU memory that ``record`` names (the whole storage: the
+    core checks its size); raises TransportError if it cannot be opened here (no CUDA, another
+    machine's handle, a malformed record)."""
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = decode_handle(record)
+    known = _OPENED.get((handle, offset))
+    if known is not None:
+        return known
     if not torch.cuda.is_available():
-        raise TransportError("the shm sender keeps its snapshots in GPU memory, and torch here has no CUDA; "
-                             "give the sender's transport cuda_ipc=False to stage them in host memory")
+        raise TransportError("the shm sender keeps its snapshots in GPU memory (cuda_ipc=True), and torch here "
+                             "has no CUDA; leave the sender's cuda_ipc off to stage them in host memory")
     try:
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref_handle, ref_offset,
                                                          event_handle, sync)
     except RuntimeError as exc:
         raise TransportError(f"cannot open the shm sender's GPU memory (CUDA IPC, device {device}): {exc}") from None
-    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage, 0, (nbytes,))
+    payload = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
+    _OPENED[(handle, offset)] = payload
+    return payload
 
 
 class Slot:
@@ -114,15 +127,17 @@ class Slot:
             slot = memory.Slot.file(path, nbytes, offset=HEAD)
             return cls(path, slot.fd, slot.map, slot.tensor, writable=True, size=HEAD + nbytes)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        record = encode_handle(payload.untyped_storage()._share_cuda_())
+        shared = payload.untyped_storage()._share_cuda_()
+        record = encode_handle(shared)
+        _OPENED[(bytes(shared[1]), int(shared[3]))] = payload
         slot = memory.Slot.file(path, RECORD_BYTES, offset=HEAD)
         _KIND.pack_into(slot.map, _GEN.size, 1, len(record))
         slot.map[HEAD:HEAD + len(record)] = record
         return cls(path, slot.fd, slot.map, payload, writable=True, size=HEAD + RECORD_BYTES)
 
     @classmethod
-    def open(cls, path: str, nbytes: int, *, shared_payload: bool = True) -> Slot:
-        """Map an existing slot file of a payload of ``nbytes`` read-only; with ``shared_payload=False``
+    def open(cls, path: str, *, shared_payload: bool = True) -> Slot:
+        """Map an existing slot file read-only; with ``shared_payload=False``
         only its head (a zero-copy reader maps the payload privately per delivery:
         ``private_payload``), and ``payload`` is empty; a device slot's payload is the sender's GPU
         memory, opened here. Raises TransportError if the file is missing or malformed, or the GPU
@@ -140,7 +155,7 @@ class Slot:
                 if not 0 < length <= min(RECORD_BYTES, size - HEAD):
                     raise TransportError(f"shared-memory file {path} names a handle record of {length} bytes")
                 mm, _ = memory.map_shared(fd, HEAD, offset=HEAD)
-                payload = _open_device_payload(os.pread(fd, length, HEAD), nbytes)
+                payload = _open_device_payload(os.pread(fd, length, HEAD))
             else:
                 mm, payload = memory.map_shared(fd, size if shared_payload else HEAD, offset=HEAD)
         except BaseException:

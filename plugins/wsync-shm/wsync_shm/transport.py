@@ -361,7 +361,6 @@ class _Receiver(ReceiverEndpoint):
     def __init__(self, transport: ShmTransport, ctx: ReceiverContext) -> None:
         self._name: str = transport.options["name"]
         self._worker = ctx.worker_idx
-        self._nbytes = ctx.layout.nbytes
         self._sock: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
         self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
@@ -465,7 +464,7 @@ class _Receiver(ReceiverEndpoint):
         if slot is None:
             if index >= 4096:
                 raise TransportError(f"worker {self._worker}: the shm sender named slot {index}")
-            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index), self._nbytes,
+            slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index),
                                                   shared_payload=not self._zero_copy)
         if not slot.try_lock(exclusive=False):
             return None
@@ -559,11 +558,11 @@ class ShmTransport(Transport):
     already has (for code that holds tensors across ``receive()``). The default, None, maps
     models of 1 MiB and more and copies smaller ones (cheaper than mapping them).
 
-    A sender whose model is on a GPU keeps its snapshots in that GPU's memory, which workers open
-    by its CUDA IPC handle and copy from device to device into their own models (isolated as
-    always: no worker views the sender's memory after its receive). ``cuda_ipc=False`` stages
-    them in host memory instead (workers whose torch has no CUDA, or on another GPU without
-    peer access).
+    With ``cuda_ipc=True`` (opt-in, not yet the default: see docs/benchmarks.md, "On a GPU
+    machine"), a sender whose model is on a GPU keeps its snapshots in that GPU's memory, which
+    workers open by its CUDA IPC handle and copy from device to device into their own models
+    (isolated as always: no worker views the sender's memory after its receive). By default a GPU
+    model's snapshots are staged in host memory, which any worker can read.
     """
 
     name = "shm"
@@ -572,7 +571,7 @@ class ShmTransport(Transport):
                                 late_join=True, cuda=True)
 
     def __init__(self, *, name: str | None = None, checksum: bool = False,
-                 zero_copy: bool | None = None, cuda_ipc: bool = True) -> None:
+                 zero_copy: bool | None = None, cuda_ipc: bool = False) -> None:
         name = name or uuid.uuid4().hex[:16]
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
