@@ -695,7 +695,9 @@ class Worker:
                 self.runner.join(10)
         self._forget()
 
-    def exit(self) -> None:
+    def exit(self) -> int | None:
+        """End the runner (its scheme shut down first, then a normal end); the process's exit
+        status (negative: the signal that ended it, -9 if it had to be killed), None for a thread."""
         try:
             self.request("exit", 30.0)
         except HarnessError:
@@ -710,6 +712,9 @@ class Worker:
             if self.kind != "launched":
                 self.runner.join(10)
         self._forget()
+        if not self.process:
+            return None
+        return self.runner.returncode if self.kind == "launched" else self.runner.exitcode
 
     def _forget(self) -> None:
         with contextlib.suppress(OSError):

@@ -65,10 +65,7 @@ class CleanChecks:
         for v in (1, 2):
             fill_version(s.model, v)
             s.check(s.send())
-        codes = {}
-        for i, w in enumerate(workers):
-            w.exit()  # shutdown(), then a normal end of the process
-            codes[i] = w.runner.returncode if w.kind == "launched" else w.runner.exitcode
+        codes = {i: w.exit() for i, w in enumerate(workers)}  # shutdown(), then a normal end of the process
         s.scheme.shutdown()
         bad = {i: c for i, c in codes.items() if c != 0}
         if bad:
