@@ -231,9 +231,11 @@ class SenderEndpoint(ABC):
         """Events since the last call; waits for at least one until the deadline, then returns []."""
 
     def wake(self) -> None:
-        """Make a ``poll`` waiting in another thread, and every later one, return at once: the
-        scheme is shutting down. Called from any thread, before ``close``. The default does
-        nothing (``poll`` then returns by its deadline)."""
+        """Make a ``poll`` waiting in another thread, and every later one, return at once, and an
+        ``acquire`` waiting for a free buffer raise: the scheme is shutting down. Called from any
+        thread, before ``close``. A transport whose ``poll`` blocks must implement it (a flag and a
+        notify, or an eventfd its wait also watches): ``shutdown()`` from another thread must not
+        wait out a ``send()``'s timeout (``test_live_shutdown_ends_a_waiting_send``)."""
 
     def close(self) -> None:
         """Free everything; idempotent."""

@@ -21,7 +21,8 @@ from wsync_core.transport import Joined
 
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
-           "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "CloseNotIdempotent", "EndpointInOptions",
+           "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "SleepsThroughShutdown",
+           "CloseNotIdempotent", "EndpointInOptions",
            "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored",
            "WorkerWritesKept", "CrashesInC"]
 
@@ -286,6 +287,13 @@ class _DeadlineIgnored(_Receiver):
         return None if item is None else Delivery(item[0], item[1])
 
 
+class _SleepsThroughShutdown(_Sender):
+    """wake() does nothing: a poll() waiting in another thread runs on to its deadline."""
+
+    def wake(self) -> None:
+        pass
+
+
 class _CloseTwiceSender(_Sender):
     """close() raises when called a second time (or before open)."""
 
@@ -345,6 +353,7 @@ UncheckedSize = _transport("UncheckedSize", receiver=_UncheckedSize)
 ReusedReceiveBuffer = _transport("ReusedReceiveBuffer", receiver=_ReusedBuffer)
 BlockingPublish = _transport("BlockingPublish", sender=_BlockingPublish)
 DeadlineIgnored = _transport("DeadlineIgnored", receiver=_DeadlineIgnored)
+SleepsThroughShutdown = _transport("SleepsThroughShutdown", sender=_SleepsThroughShutdown)
 CloseNotIdempotent = _transport("CloseNotIdempotent", sender=_CloseTwiceSender)
 EndpointInOptions = _transport("EndpointInOptions", sender=_EndpointInOptions)
 SharedAdoptable = _transport("SharedAdoptable", sender=_SharedAdoptableSender, receiver=_SharedAdoptableReceiver)
@@ -368,6 +377,7 @@ BROKEN: dict[str, str] = {
     "ReusedReceiveBuffer": "atomic",
     "BlockingPublish": "live",
     "DeadlineIgnored": "live",
+    "SleepsThroughShutdown": "live",
     "CloseNotIdempotent": "clean",
     "EndpointInOptions": "portable",
     "SharedAdoptable": "isolated",
@@ -393,6 +403,7 @@ SELECT: dict[str, str] = {
     # a hung test fails and the run goes on: the ordered test after it still passes
     "BlockingPublish": "test_versioned_counts_and_content or test_ordered_sender",
     "DeadlineIgnored": "test_endpoint_calls_honour_deadlines",
+    "SleepsThroughShutdown": "test_live_shutdown_ends_a_waiting_send",
     "CloseNotIdempotent": "test_endpoint_close_from_any_state",
     "EndpointInOptions": "test_portable_pickles",
     "SharedAdoptable": "test_targeted_subset_send or test_isolated_kept_references",

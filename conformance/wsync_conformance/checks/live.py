@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
-from wsync_core import TransportError, WorkerTimeoutError
+from wsync_core import StateError, TransportError, WorkerTimeoutError
 
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
@@ -77,6 +78,42 @@ class LiveChecks:
         lonely = wsync.scheme()
         w.open(lonely, version_spec(), wsync.device, 0)
         expect_connect_refused(w, short, "a receiver whose sender never comes")
+
+    @guarantee("live")
+    @budget(seconds=1.5 * SLACK_S)
+    def test_live_shutdown_ends_a_waiting_send(self, wsync: Context) -> None:
+        """``shutdown()`` from another thread while ``send()`` waits for a worker that does not
+        receive: the send ends with StateError and ``shutdown()`` returns, both long before the
+        send's timeout (the sender endpoint's ``wake`` ends its ``poll``)."""
+        s = wsync.session(version_spec(), n=1)
+        fill_version(s.model, 1)
+        outcome: dict[str, BaseException | int] = {}
+
+        def send() -> None:
+            try:
+                outcome["result"] = s.scheme.send(timeout=SLACK_S)
+            except BaseException as exc:  # whatever it is, the check below names it
+                outcome["result"] = exc
+
+        sender = threading.Thread(target=send, name="conformance-send", daemon=True)
+        sender.start()
+        time.sleep(0.5)  # the send now waits for the silent worker's ack
+        t0 = time.monotonic()
+        closer = threading.Thread(target=s.scheme.shutdown, name="conformance-shutdown", daemon=True)
+        closer.start()
+        sender.join(SLACK_S / 2)
+        if sender.is_alive():
+            raise violated("live", f"send(timeout={SLACK_S:g}), waiting for a silent worker, went on for "
+                                   f"{time.monotonic() - t0:.1f} s after shutdown() from another thread: the "
+                                   f"sender endpoint's poll() ignores wake()")
+        result = outcome.get("result")
+        if not isinstance(result, StateError):
+            raise violated("live", f"send() interrupted by shutdown() from another thread gave {result!r}, "
+                                   f"expected StateError")
+        closer.join(SLACK_S)
+        if closer.is_alive():
+            raise violated("live", f"shutdown() from another thread did not return within {SLACK_S:g} s of the "
+                                   f"send it interrupted")
 
     @guarantee("live")
     @capability("late_join")

@@ -157,6 +157,7 @@ class _Sender(SenderEndpoint):
         self.hellos: dict[int, bytes] = {}  # workers seen, with their hello
         self.seq = self.count = 0
         self.opened = False
+        self.woken = threading.Event()  # wake(): the scheme is shutting down, poll returns at once
 
     def open(self, deadline: Deadline) -> None:
         _mkdir(self.dir)
@@ -210,7 +211,10 @@ class _Sender(SenderEndpoint):
         self.files = [f for f in self.files if f in keep]
 
     def poll(self, deadline: Deadline) -> list[Event]:
-        return _poll(deadline, self._scan) or []
+        return _poll(deadline, self._scan, self.woken) or []
+
+    def wake(self) -> None:
+        self.woken.set()
 
     def _scan(self) -> list[Event]:
         names = _listdir(self.dir)

@@ -104,6 +104,7 @@ class MpSender(SenderEndpoint):
         self.wake_r = self.wake_w = -1
         self.thread: threading.Thread | None = None
         self.closing = False
+        self.woken = False  # wake(): the scheme is shutting down, waits end at once
         self.bound_path: str | None = None
 
     # -- SenderEndpoint ----------------------------------------------------------------------
@@ -139,6 +140,8 @@ class MpSender(SenderEndpoint):
                     self.slots.append(Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes))
                     self.buffers.append(Buffer(self.slots[-1].tensor, len(self.buffers)))
                     return self.buffers[-1]
+                if self.woken:
+                    raise TransportError("mp: the sender is shutting down: no slot for a new version")
                 if deadline.expired():
                     holders = sorted(w for w, c in self.conns.items() if c.held or c.pending)
                     raise WorkerTimeoutError(
@@ -169,10 +172,16 @@ class MpSender(SenderEndpoint):
 
     def poll(self, deadline: Deadline) -> list[Event]:
         with self.cond:
-            while not (self.events or self.closing or deadline.expired()):
+            while not (self.events or self.closing or self.woken or deadline.expired()):
                 self.cond.wait(deadline.slice(1.0))
             events, self.events = self.events, []
         return events
+
+    def wake(self) -> None:
+        with self.cond:
+            self.woken = True
+            self.cond.notify_all()
+            self.freed.notify_all()
 
     def close(self) -> None:
         with self.cond:

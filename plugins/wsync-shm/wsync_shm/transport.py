@@ -105,6 +105,7 @@ class _Sender(SenderEndpoint):
         self._listener: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
         self._reaper: subprocess.Popen | None = None
+        self._wakeup = Wakeup()  # wake(): the scheme is shutting down, waits end at once
 
     # -- set-up and tear-down ---------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
@@ -120,6 +121,7 @@ class _Sender(SenderEndpoint):
         self._listener = listener
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
         _live.add(self)
         reaper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
         self._reaper = subprocess.Popen([sys.executable, "-I", "-S", reaper], stdin=subprocess.PIPE,
@@ -135,6 +137,9 @@ class _Sender(SenderEndpoint):
         self._slots.append(Slot.create(path, self._nbytes, self._device))
         self._buffers.append(Buffer(self._slots[index].payload, index))
         return index
+
+    def wake(self) -> None:
+        self._wakeup.set()
 
     def close(self) -> None:
         _live.discard(self)
@@ -165,12 +170,14 @@ class _Sender(SenderEndpoint):
         self._conns.clear()
         if self._selector is not None:
             for key in list(self._selector.get_map().values()):
-                key.fileobj.close()
+                if key.fileobj is not self._listener and key.fd != self._wakeup.fd:
+                    key.fileobj.close()
             self._selector.close()
             self._selector = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        self._wakeup.close()
 
     def _forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the sender's socket, pipe and slot
@@ -204,6 +211,8 @@ class _Sender(SenderEndpoint):
                 i = self._new_slot()
                 self._slots[i].try_lock(exclusive=True)
                 return self._hand_out(i)
+            if self._wakeup.is_set:
+                raise TransportError(f"the shm sender {self._name!r} is shutting down: no slot for a new version")
             if deadline.expired():
                 owing = sorted(w for w, (i, g) in self._mailbox.items() if g > self._taken.get(w, -1))
                 raise WorkerTimeoutError(
@@ -243,7 +252,7 @@ class _Sender(SenderEndpoint):
 
     def poll(self, deadline: Deadline) -> list[Event]:
         self._pump(0.0 if self._events else deadline.slice(3600.0))  # one select when it has to wait
-        while not self._events and not deadline.expired():
+        while not self._events and not deadline.expired() and not self._wakeup.is_set:
             self._pump(deadline.slice(3600.0))
         events, self._events = self._events, []
         return events
@@ -256,6 +265,8 @@ class _Sender(SenderEndpoint):
         for key, mask in self._selector.select(timeout):
             if key.fileobj is self._listener:
                 self._accept()
+                continue
+            if key.data is None:  # the wake-up: left readable, so later waits end at once too
                 continue
             conn: _Conn = key.data
             if mask & selectors.EVENT_WRITE:
