@@ -110,6 +110,12 @@ class Receiver:
     # -- receiving ------------------------------------------------------------------------------
     def receive(self, deadline: Deadline) -> int | None:
         """Apply the newest delivery that arrived by ``deadline``; the version applied, or None."""
+        if torch.is_inference_mode_enabled():  # a receive in a rollout's inference mode: tensors made
+            with torch.inference_mode(False):  # there (views the model adopts) would be inference
+                return self._receive(deadline)  # tensors, which it could never train with after
+        return self._receive(deadline)
+
+    def _receive(self, deadline: Deadline) -> int | None:
         endpoint = self.endpoint
         self._leases.drain()  # memory the worker stopped viewing since the last call
         best: tuple[Delivery, Header] | None = None

@@ -154,6 +154,26 @@ def test_a_zero_copy_worker_that_writes_its_model_gets_each_reused_slot_exactly(
         mine["step"].fill_(-v)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_receive_in_inference_mode_leaves_tensors_the_model_can_train_with(group, zero_copy) -> None:
+    """A rollout loop that receives under ``torch.inference_mode()``: the tensors it is left with
+    (views of a slot, with zero-copy) must not be inference tensors, which autograd refuses to save
+    and a later receive outside inference mode could not write."""
+    _, sender, model, (r0,) = group(1, zero_copy=zero_copy)
+    for v in (1, 2):
+        fill(model, v)
+        sender.send_async()
+        with torch.inference_mode():
+            assert r0.receive(timeout=30.0) == v
+        mine = model_of(r0)
+        assert holds(mine, v) and not any(t.is_inference() for t in mine.values())
+        x = torch.ones_like(mine["w"], requires_grad=True)
+        (x * mine["w"]).sum().backward()  # saves the model's tensor for backward
+    fill(model, 3)
+    sender.send_async()
+    assert r0.receive(timeout=30.0) == 3 and holds(model_of(r0), 3)
+
+
 def test_zero_copy_takes_the_slots_memory_and_copy_mode_keeps_the_models(group) -> None:
     for zero_copy in (True, False, None):
         _, sender, model, (r0,) = group(1, zero_copy=zero_copy)  # explicit: the model is small
