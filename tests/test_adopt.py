@@ -57,6 +57,55 @@ def test_memory_shared_on_purpose_is_copied_into_not_replaced() -> None:
     assert torch.equal(dst["shared"], src["shared"])
 
 
+def _packed(src: dict[str, torch.Tensor]) -> tuple[Layout, torch.Tensor]:
+    layout = Layout.of(src)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(src, buffer)
+    return layout, buffer
+
+
+def test_tensors_of_the_model_that_share_bytes_go_on_sharing_them() -> None:
+    """``weight`` and a buffer ``weight.detach()`` are two tensors of one model over the same bytes:
+    re-pointing each at its own part of the payload would cut them apart (a write to one no longer
+    seen through the other), so both are copied into."""
+    receiver = nn.Linear(3, 3)
+    receiver.register_buffer("alias", receiver.weight.detach())
+    sender = nn.Linear(3, 3)
+    sender.register_buffer("alias", sender.weight.detach())
+    layout, buffer = _packed(flatten(sender))
+    adopted = layout.adopt(buffer, flatten(receiver, detach=False))
+    assert [t.shape for t in adopted] == [receiver.bias.shape]  # the bias alone is re-pointed
+    assert receiver.alias.data_ptr() == receiver.weight.data_ptr()
+    assert torch.equal(receiver.weight, sender.weight) and torch.equal(receiver.alias, sender.weight)
+    with torch.no_grad():
+        receiver.weight.fill_(7.0)
+    assert torch.all(receiver.alias == 7.0)
+
+
+def test_a_tied_parameter_with_a_reference_kept_elsewhere_is_copied_into() -> None:
+    """A parameter tied under two names counts once: a reference the worker kept besides it still
+    holds the storage, so the parameter is copied into and the reference sees the version."""
+    tied = nn.Parameter(torch.zeros(4))
+    kept = tied.detach()
+    src = {"a": torch.arange(4.0), "b": torch.arange(4.0)}
+    layout, buffer = _packed(src)
+    assert layout.adopt(buffer, {"a": tied, "b": tied}) == []
+    assert torch.equal(kept, src["a"]) and kept.data_ptr() == tied.data_ptr()
+
+
+def test_parameters_packed_in_one_storage_without_overlap_are_adopted() -> None:
+    """Parameters made from disjoint parts of one flat tensor that nothing else holds share no byte:
+    each is re-pointed (zero-copy kept)."""
+    flat = torch.zeros(8)
+    params = {"a": nn.Parameter(flat[:4]), "b": nn.Parameter(flat[4:])}
+    del flat
+    src = {"a": torch.ones(4), "b": torch.full((4,), 2.0)}
+    layout, buffer = _packed(src)
+    assert len(layout.adopt(buffer, params)) == 2
+    assert all(p.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for p in params.values())
+    assert torch.equal(params["a"], src["a"]) and torch.equal(params["b"], src["b"])
+
+
 def test_module_walk_lists_what_named_parameters_and_buffers_list() -> None:
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.Linear(3, 2, bias=False)))

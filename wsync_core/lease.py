@@ -23,7 +23,7 @@ import os
 import select
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -109,18 +109,29 @@ def _storage_freed(ref: weakref.ref[_Lease], pid: int) -> None:
 
 
 def exclusive(tensors: list[torch.Tensor]) -> list[bool]:
-    """For each tensor, whether every tensor that shares its storage is among ``tensors`` (no view,
-    alias or state_dict entry held elsewhere), so re-pointing them all leaves no holder behind.
-    All False when torch cannot tell."""
+    """For each tensor, whether re-pointing every one of ``tensors`` at memory of its own leaves
+    nothing behind: every tensor that shares its storage is among ``tensors`` (no view, alias or
+    state_dict entry held elsewhere), and none of those overlaps it (two of the model's tensors
+    that share bytes, as ``weight`` and ``weight.detach()``, must go on sharing them). A tensor
+    listed twice (tied under two names) counts once. All False when torch cannot tell."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return [False] * len(tensors)
     keys = [t.untyped_storage()._cdata for t in tensors]
-    among: dict[int, int] = {}
-    for key in keys:
-        among[key] = among.get(key, 0) + 1
-    users = {key: count(key) - _WRAPPER_REFS for key in among}
-    return [users[key] <= among[key] for key in keys]
+    on: dict[int, dict[int, torch.Tensor]] = {}  # storage -> the distinct tensors of ``tensors`` on it
+    for key, t in zip(keys, tensors):
+        on.setdefault(key, {})[id(t)] = t
+    alone = {key: count(key) - _WRAPPER_REFS <= len(mine) and (len(mine) == 1 or not _overlap(mine.values()))
+             for key, mine in on.items()}
+    return [alone[key] for key in keys]
+
+
+def _overlap(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any two of ``tensors`` (on one storage) cover a common byte."""
+    spans = sorted((t.storage_offset() * t.element_size(),
+                    (t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+                    * t.element_size()) for t in tensors if t.numel())
+    return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def _wrapper_refs() -> int:
