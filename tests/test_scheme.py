@@ -176,6 +176,18 @@ def test_atomic_send_mismatched_weights_sends_nothing(cluster):
     assert c.sender.send() == 1
 
 
+def test_a_trainer_model_changed_since_init_is_named_as_such(cluster):
+    c = cluster(n=1)
+    c.model.double()
+    with pytest.raises(SchemaMismatchError, match=r"^send\(\): the trainer's model changed since init_on_sender: .*"
+                                                  r"0\.weight.*float32 on the model at init_on_sender, float64 on "
+                                                  r"the model now"):
+        c.sender.send()
+    assert c.sender.version == 0
+    c.model.float()
+    assert c.sender.send() == 1
+
+
 def test_atomic_damaged_payload_is_refused(cluster):
     """With checksums on, a corrupted byte raises TransportError on both sides; the model is untouched."""
     from wsync_core import Buffer, inproc

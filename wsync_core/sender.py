@@ -172,7 +172,10 @@ class Sender:
         chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
         plain = self.layout.ready(tensors, write=False)  # the common case in one pass
-        if not plain:
+        if not plain and weights is None:
+            self.layout.check_fits(tensors, mine="model at init_on_sender", theirs="model now",
+                                   context="send(): the trainer's model changed since init_on_sender")
+        elif not plain:
             self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
                                    context="send(weights=...)")
         self._pump(POLL)
