@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from wsync_core import SchemaMismatchError, WeightSyncScheme, WorkerTimeoutError, list_transports
+from wsync_core import SchemaMismatchError, TransportError, WeightSyncScheme, WorkerTimeoutError, list_transports
 from wsync_zmq import ZmqTransport
 from zmq_helpers import digest, make_model
 
@@ -144,6 +144,33 @@ def test_a_large_payload_is_adopted_a_small_one_copied_and_a_worker_write_stays_
             local["w"].mul_(-1.0)  # the worker's own write: the next version overwrites it
         moved = [a != b for a, b in zip(addresses, addresses[1:])]  # (a freed frame's address may come back)
         assert moved == ([True, True] if kib > 64 else [False, False])
+
+
+def test_a_worker_whose_index_another_process_took_over_is_told(sender):
+    """Newest hello wins (a worker restarted on another host while its old connection lingers), and the
+    old connection, if a process still reads it, is told: its receive() raises instead of waiting for
+    versions that go to the new one."""
+    model = make_model(0)
+    scheme = sender(1, model, timeout=30.0)
+    old_model = make_model(7)
+    with _independent_receiver(scheme, old_model) as old:
+        new_model = make_model(8)
+        new = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
+        new.init_on_receiver(model=new_model, worker_idx=0)
+        try:
+            new.connect()  # the sender answers its hello with the version it holds
+            bump(model)
+            handle = scheme.send_async()
+            assert new.receive(timeout=30.0) == 1 and handle.wait() == 1
+            assert digest(new_model) == digest(model)
+            held = digest(old_model)
+            with pytest.raises(TransportError, match="took its place"):
+                old.receive(timeout=30.0)
+            with pytest.raises(TransportError, match="took its place"):
+                old.receive(timeout=0.0)
+            assert digest(old_model) == held
+        finally:
+            new.shutdown()
 
 
 def test_schema_mismatch_is_reported_without_sending_the_payload(sender):

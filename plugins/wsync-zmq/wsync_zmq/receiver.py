@@ -21,8 +21,8 @@ import zmq
 from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError, Wakeup
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
-from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, WANT, Hello, decode_answer,
-                   decode_delivery, header_limit, payload_tensor)
+from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, REPLACED, WANT, Hello,
+                   decode_answer, decode_delivery, header_limit, payload_tensor)
 
 __all__ = ["ZmqReceiver"]
 
@@ -57,6 +57,7 @@ class ZmqReceiver(ReceiverBase):
         self._probe = 0  # the number of the last probe sent
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
         self._wakeup = Wakeup()  # its eventfd, in the poller, ends a wait at once (the base keeps the flag)
+        self._replaced = False  # the sender took another connection for this worker index
 
     def start(self, deadline: Deadline) -> None:
         opts = self._options
@@ -85,6 +86,7 @@ class ZmqReceiver(ReceiverBase):
         self.check_open()
         if self._woken:
             return None
+        self._check_replaced()
         self._pump()
         if self._mail is not None and self._connected:
             # it waited here while the worker was away: newer versions may wait at the sender
@@ -166,6 +168,9 @@ class ZmqReceiver(ReceiverBase):
             return False
         rest, extra = rest_of(sock, first, 1)
         frames = [first, *rest]
+        if len(frames) == 1 and len(first) == 1 and not extra and memoryview(first).cast("B")[0] == REPLACED[0]:
+            self._replaced = True
+            self._check_replaced()
         if len(frames) == 1 and len(first) and memoryview(first).cast("B")[0] in _ANSWERS:
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:
@@ -181,6 +186,13 @@ class ZmqReceiver(ReceiverBase):
         self.put(Delivery(header, payload_tensor(payload), adoptable=len(frames) == 2))
         self._answer = DATA
         return True
+
+    def _check_replaced(self) -> None:
+        if self._replaced:
+            raise TransportError(f"worker {self._worker}: another connection to the sender said hello as worker "
+                                 f"{self._worker} and took its place (a process started again under the same "
+                                 f"worker_idx while this one runs?); this one gets no more versions and keeps "
+                                 f"the one it holds")
 
     def ack(self, data: bytes) -> None:
         """Send an ack, which also asks for the next version."""

@@ -21,7 +21,8 @@ from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase,
 from wsync_core.forked import close_inherited
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
-from .wire import ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, WANT, decode_peer, encode_delivery
+from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
+                   encode_delivery)
 
 __all__ = ["ZmqSender"]
 
@@ -238,6 +239,7 @@ class ZmqSender(SenderBase):
                 log.warning("zmq sender: worker %d announced itself from a new connection; the old one is "
                             "dropped", w)
                 self._workers.pop(old.rid, None)
+                self._tell(old.rid, REPLACED, f"worker {w}'s old connection")  # if a process still reads it
             stale = self._workers.get(rid)
             if stale is not None and stale != w:
                 self._drop(stale, f"its connection now claims worker {w}")
@@ -266,13 +268,17 @@ class ZmqSender(SenderBase):
 
     def _answer(self, w: int, kind: bytes, seq: bytes) -> None:
         """Tell worker ``w`` whether a newer version follows (NEWER) or not (CURRENT)."""
+        self._tell(self._peers[w].rid, kind + seq, f"worker {w}")
+
+    def _tell(self, rid: bytes, message: bytes, whom: str) -> None:
+        """Send ``message`` to connection ``rid`` if its queue has room and it is still there."""
         try:
-            self._sock.send_multipart([self._peers[w].rid, kind + seq], zmq.NOBLOCK)
+            self._sock.send_multipart([rid, message], zmq.NOBLOCK)
         except zmq.Again:
-            log.debug("zmq sender: worker %d's queue is full; its probe goes unanswered", w)
+            log.debug("zmq sender: the queue of %s is full; %r goes unsent", whom, message[:1])
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
-                raise wrap(exc, f"answering worker {w}") from exc
+                raise wrap(exc, f"writing to {whom}") from exc
 
     def _drop(self, w: int, reason: str) -> None:
         peer = self._peers.pop(w, None)

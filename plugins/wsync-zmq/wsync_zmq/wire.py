@@ -35,13 +35,15 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
 
 __all__ = [
-    "DATA", "CURRENT", "NEWER", "HELLO", "ACK", "BYE", "WANT", "PROBE",
+    "DATA", "CURRENT", "NEWER", "REPLACED", "HELLO", "ACK", "BYE", "WANT", "PROBE",
     "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES", "DELIVERY_HEAD",
     "Hello", "PeerMessage",
     "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "decode_peer", "payload_tensor",
 ]
 
 DATA, CURRENT, NEWER = b"D", b"C", b"N"
+#: sender -> a worker's connection: another connection now speaks for that worker index
+REPLACED = b"R"
 HELLO, ACK, BYE, WANT, PROBE = b"H", b"A", b"B", b"W", b"P"
 #: the longest probe sequence number accepted (decimal digits)
 MAX_SEQ_BYTES = 20
