@@ -393,8 +393,8 @@ class WeightSyncScheme:
     def shutdown(self) -> None:
         """Free every resource this scheme holds. Idempotent; the scheme is unusable afterwards.
 
-        Safe to call from another thread: a ``receive()``, receiver ``connect()`` or handle
-        ``wait()`` waiting there ends at once with StateError, then the resources are freed.
+        Safe to call from another thread: a ``receive()``, receiver ``connect()``, ``send()`` or
+        handle ``wait()`` waiting there ends at once with StateError, then the resources are freed.
         """
         self._adopt_fork()
         role = self._role
