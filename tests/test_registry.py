@@ -171,5 +171,6 @@ def test_transport_object_and_options():
     assert WeightSyncScheme(t).transport is t
     with pytest.raises(TypeError, match="options"):
         WeightSyncScheme(t, channel="y")
-    with pytest.raises(TypeError, match="unexpected keyword"):
+    with pytest.raises(ValueError, match=r"^transport 'inproc' has no option 'no_such_option'; its options are "
+                                         r"channel, checksum$"):
         WeightSyncScheme("inproc", no_such_option=1)

@@ -377,7 +377,13 @@ def test_targeted_subset_send(cluster):
         c.sender.send(worker_ids=[3])
     with pytest.raises(ValueError, match="worker_ids"):
         c.sender.send(worker_ids=[])
+    for bad in (True, [1.0], torch.tensor(0.5), torch.tensor(3), "0"):
+        with pytest.raises(ValueError, match="worker_ids must be a non-empty list of ints in \\[0, 3\\)"):
+            c.sender.send(worker_ids=bad)
     assert c.sender.version == v  # bad targets send nothing
+    bump(c.model)
+    assert c.sender.send(worker_ids=torch.tensor([0, 2])) == v + 1  # integers of any kind, numpy's too
+    assert c.sender.send(worker_ids=torch.tensor(1)) == v + 2 and c.receivers[1].scheme.version == v + 2
 
 
 # -- portable --------------------------------------------------------------------------------------

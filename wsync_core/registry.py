@@ -20,7 +20,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import UnknownTransportError
-from .transport import Transport, check_interface
+from .transport import Transport, check_interface, check_options
 
 __all__ = ["TransportInfo", "Command", "list_transports", "get_transport", "resolve_transport", "list_commands",
            "ENTRY_POINT_GROUP"]
@@ -187,4 +187,6 @@ def resolve_transport(transport: str | Transport, options: dict[str, Any]) -> Tr
         return transport
     if not isinstance(transport, str):
         raise TypeError(f"transport must be a name or a Transport object, got {type(transport).__name__}")
-    return get_transport(transport)(**options)
+    cls = get_transport(transport)
+    check_options(cls, options)
+    return cls(**options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -196,16 +197,20 @@ class Sender:
                              f"{clip_keys([repr(k) if not isinstance(k, str) else k for k in unknown])}")
         return chosen
 
-    def _targets(self, worker_ids: Iterable[int] | None) -> list[int]:
+    def _targets(self, worker_ids: Iterable[int] | int | None) -> list[int]:
+        """``worker_ids`` as a sorted list of indices (any integers: numpy's, a torch scalar); raises
+        ValueError for an empty one, or anything not an index in ``[0, num_workers)``."""
         if worker_ids is None:
             return list(range(self.num_workers))
-        if isinstance(worker_ids, int):
-            worker_ids = [worker_ids]
-        targets = sorted(set(worker_ids))
-        bad = [w for w in targets if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_workers]
-        if bad or not targets:
+        one = _index(worker_ids)
+        try:
+            given = [worker_ids] if one is not None else list(worker_ids)
+        except TypeError:
+            given = []
+        targets = [_index(w) for w in given]
+        if not targets or any(w is None or not 0 <= w < self.num_workers for w in targets):
             raise ValueError(f"worker_ids must be a non-empty list of ints in [0, {self.num_workers}), got {worker_ids!r}")
-        return targets
+        return sorted(set(targets))
 
     def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
                      version: int, keys: list[str] | None = None, plain: bool = False) -> int:
@@ -535,6 +540,17 @@ class Sender:
                 detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
                 raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "
                                       f"(updated: {[w for w in targets if w not in missing]}):\n{detail}", dead)
+
+
+def _index(value: object) -> int | None:
+    """``value`` as an index (an int, or any integer that says it is one: numpy's, a 0-d torch
+    tensor), or None; a bool is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _serve(ref: weakref.ref[Sender], stop: threading.Event) -> None:

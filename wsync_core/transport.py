@@ -30,9 +30,10 @@ limits: docs/writing-a-transport.md.
 
 from __future__ import annotations
 
+import inspect
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
@@ -55,6 +56,7 @@ __all__ = [
     "ReceiverEndpoint",
     "Transport",
     "free_port",
+    "check_options",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -325,6 +327,19 @@ def check_interface(cls: type[Transport]) -> None:
         raise TypeError(f"{cls.__module__}.{cls.__qualname__} {said}; wsync-core {__version__} implements "
                         f"interface {INTERFACE_VERSION} (set interface = {INTERFACE_VERSION} once it does; "
                         f"docs/writing-a-transport.md lists what changed between versions)")
+
+
+def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the ``options`` that ``cls(**options)`` would not take, and the ones
+    it takes (a constructor that takes ``**kwargs`` takes any)."""
+    params = inspect.signature(cls).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"transport {getattr(cls, 'name', cls.__name__)!r} has no option "
+                         f"{', '.join(map(repr, unknown))}; its options are {', '.join(known) or 'none'}")
 
 
 def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:

@@ -84,6 +84,8 @@ def test_bad_arguments_exit_2(capsys) -> None:
     assert cli_main(["bench", "--sizes", "lots"]) == 2
     assert cli_main(["bench", "--compare", "ray"]) == 2
     assert "bad size" in capsys.readouterr().err
+    assert cli_main(["bench", "--transports", "shm,nosuch"]) == 2  # before anything is timed
+    assert "no transport named 'nosuch'" in capsys.readouterr().err
 
 
 def test_delta_cli_smoke(tmp_path, capsys) -> None:

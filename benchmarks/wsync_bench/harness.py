@@ -912,6 +912,9 @@ def main(args: argparse.Namespace) -> int:
         _systems(config)
         if config.workers < 1 or config.repeat < 1:
             raise ValueError(f"--workers and --repeat must be >= 1, got {config.workers} and {config.repeat}")
+        unknown = [why for name in config.transports if (why := _unavailable(name, "wsync"))]
+        if unknown:
+            raise ValueError("; ".join(unknown))
     except ValueError as exc:
         print(f"wsync bench: {exc}", file=sys.stderr)
         return 2

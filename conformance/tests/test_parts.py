@@ -31,6 +31,19 @@ def test_parse_options() -> None:
         parse_options(["novalue"])
 
 
+def test_a_timeout_must_be_seconds_above_zero_and_an_unknown_option_is_named() -> None:
+    import argparse
+
+    from wsync_conformance.target import seconds
+
+    assert seconds("2.5") == 2.5
+    for bad in ("-5", "0", "nan", "inf", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="seconds > 0"):
+            seconds(bad)
+    with pytest.raises(ValueError, match="has no option 'nosuch'; its options are channel, checksum"):
+        Target("inproc", {"nosuch": 1}).make()
+
+
 def test_target_accepts_names_classes_objects_and_factories() -> None:
     from wsync_core.inproc import InprocTransport
 

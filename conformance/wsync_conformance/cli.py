@@ -11,6 +11,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from .target import seconds
+
 __all__ = ["main", "build_parser", "add_arguments", "pytest_args", "run_suite"]
 
 
@@ -22,7 +24,7 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--wsync-device", args.device]
     for opt in getattr(args, "option", None) or []:
         out += ["--wsync-option", opt]
-    if getattr(args, "timeout", None):
+    if getattr(args, "timeout", None) is not None:
         out += ["--wsync-timeout", str(args.timeout)]
     for g in getattr(args, "guarantee", None) or []:
         out += ["--wsync-guarantee", g]
@@ -150,7 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thorough", action="store_true", help="the longer run: thorough profile, thorough-only tests")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds a call that should succeed may take")
+    p.add_argument("--timeout", type=seconds, default=None, help="seconds a call that should succeed may take")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results by guarantee as JSON")
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from . import profiles
 from .guarantees import GUARANTEES
+from .target import seconds
 
 profiles.register()
 
@@ -19,7 +20,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="device of the models (default: cpu)")
     group.addoption("--wsync-option", action="append", default=[], metavar="KEY=VALUE",
                     help="transport option, repeatable; values parse as int, float, bool, None or string")
-    group.addoption("--wsync-timeout", type=float, default=None, metavar="SECONDS",
+    group.addoption("--wsync-timeout", type=seconds, default=None, metavar="SECONDS",
                     help="seconds a call that should succeed may take (default: 30)")
     group.addoption("--thorough", action="store_true", dest="wsync_thorough", default=False,
                     help="the longer profile: the thorough hypothesis profile, the tests marked thorough, "

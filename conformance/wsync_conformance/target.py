@@ -3,14 +3,17 @@ with options parsed from ``KEY=VALUE`` strings."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsync_core import Capabilities, Transport, get_transport
+from wsync_core.transport import check_options
 
-__all__ = ["parse_value", "parse_options", "Target"]
+__all__ = ["parse_value", "parse_options", "seconds", "Target"]
 
 
 def parse_value(text: str) -> Any:
@@ -41,6 +44,17 @@ def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def seconds(text: str) -> float:
+    """``--wsync-timeout``'s value: a finite number of seconds > 0 (argparse reports anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _load(spec: str) -> Any:
     if ":" in spec:
         module, _, attr = spec.partition(":")
@@ -65,6 +79,8 @@ class Target:
         """A new Transport object (a given object is used as it is)."""
         if isinstance(self._source, Transport):
             return self._source
+        if isinstance(self._source, type) and issubclass(self._source, Transport):
+            check_options(self._source, self.options)
         made = self._source(**dict(self.options))
         if not isinstance(made, Transport):
             raise TypeError(f"{self.transport!r} made a {type(made).__name__}, expected a wsync_core.Transport")
