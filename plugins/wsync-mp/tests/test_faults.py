@@ -449,6 +449,8 @@ def test_options_are_plain_and_secret_hidden():
     assert opts["authkey"] not in repr(scheme.transport)
     copy = pickle.loads(pickle.dumps(scheme))
     assert copy.transport.options == opts
+    with pytest.raises(ValueError, match="authkey must be a non-empty string"):  # os.environ.get("KEY", "")
+        WeightSyncScheme("mp", address="@somewhere", authkey="")
 
 
 def test_independent_receiver_on_a_path(tmp_path, pool):

@@ -56,6 +56,8 @@ class MpTransport(Transport):
             raise ValueError(f"address must be '@name' or a socket path, got {address!r}")
         if authkey is not None and not isinstance(authkey, str):
             raise TypeError(f"authkey must be a str, got {type(authkey).__name__}")
+        if authkey == "":  # (what os.environ.get("KEY", "") gives when KEY is unset): no secret at all
+            raise ValueError("mp option authkey must be a non-empty string (or None)")
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 2):
             raise ValueError(f"max_slots must be an int >= 2, got {max_slots!r}")
         super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=bool(checksum),

@@ -85,6 +85,7 @@ def test_without_the_server_key_a_peer_is_refused(keys, caplog):
                                                        worker=0, timeout=30.0)
     stranger, stranger_errors, stranger_thread = try_connect(
         {"address": address, "curve_server_key": keys["bad"][0]}, worker=1, timeout=4.0)
+    plain, plain_errors, plain_thread = try_connect({"address": address}, worker=1, timeout=4.0)
     try:
         with pytest.raises(WorkerTimeoutError) as info:
             sender.connect(timeout=8.0)
@@ -94,9 +95,13 @@ def test_without_the_server_key_a_peer_is_refused(keys, caplog):
         assert not friend_errors and friend.version == 0
         assert stranger_errors and stranger.version == -1
         assert "handshake failed" in caplog.text
+        plain_thread.join(30)
+        assert plain.version == -1 and "does the sender require CURVE?" in str(plain_errors[0])
     finally:
         friend_thread.join(30)
         stranger_thread.join(30)
+        plain_thread.join(30)
         friend.shutdown()
         stranger.shutdown()
+        plain.shutdown()
         sender.shutdown()

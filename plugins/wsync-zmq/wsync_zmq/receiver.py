@@ -140,7 +140,8 @@ class ZmqReceiver(ReceiverBase):
                 self._reconnect()
             else:
                 curve = " (is curve_server_key the sender's public key, and is this worker's key allowed?)" \
-                    if self._options["curve_server_key"] else ""
+                    if self._options["curve_server_key"] else \
+                    " (does the sender require CURVE? then give this worker curve_server_key=<its public key>)"
                 raise TransportError(f"worker {self._worker}: the sender at {self._options['address']} refused "
                                      f"the connection: {zmq.Event(kind).name}{curve}")
 
