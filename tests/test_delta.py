@@ -211,6 +211,29 @@ def test_receiver_missing_the_base_asks_for_full(cluster) -> None:
     assert not r.errors
 
 
+def test_a_worker_that_wrote_its_model_gets_the_newest_version_in_full(cluster) -> None:
+    """A delta would keep what a worker wrote into its model (a BatchNorm in train mode, a local
+    step) wherever the trainer changed nothing: such a worker applies none, and the sender answers
+    its BaseMismatch ack with the newest version in full. Workers that did not write take deltas."""
+    weights = model_of(8)
+    c = cluster(n=2, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()}, delta=True)
+    scramble(weights, 60, 0.01)
+    c.sender.send()
+    writer = c.receivers[0]
+    for step, write in enumerate([lambda m: m["big"].add_(1.0), lambda m: m["matrix"][3].zero_()]):
+        writer.pause()
+        write(writer.model)  # in place, between two receives
+        writer.resume()
+        scramble(weights, 61 + step, 0.01)
+        v = c.sender.send()  # a delta to both; the writer refuses it and gets version v in full
+        assert all(r.scheme.version == v and same(r.model, weights) for r in c.receivers)
+        assert not writer.errors
+    scramble(weights, 70, 0.01)
+    c.sender.send()  # nothing written since: a delta again
+    assert c.sender.last_report.delta_workers == [0, 1]
+    assert all(same(r.model, weights) for r in c.receivers)
+
+
 def test_flatten_of_sender_is_untouched() -> None:
     """The mirror never aliases the trainer's tensors."""
     weights = model_of(8)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +62,9 @@ class Receiver:
         self.guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._leases = LeaseBook()
         self._adopted = _Adopted()
+        #: each tensor's identity and version counter right after the last apply: a partial payload
+        #: (a delta, a key subset) holds only if the worker has not written its model since
+        self._as_applied: list[tuple[int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1
 
@@ -150,11 +153,13 @@ class Receiver:
             return None
         delivery, header = best
         if header.base is not None and not header.base <= self.version:
-            return self._refuse_delta(delivery, header)
+            return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
         with self.guard():  # the worker's safe point: its model is not in use in here
             try:
                 adopted = self._apply(delivery, header, retired)
+            except _WroteSince:
+                return self._refuse_delta(delivery, header, f"wrote its model since version {self.version}")
             except (SchemaMismatchError, TransportError) as exc:
                 _release(delivery)
                 self._reject(header.version, exc)
@@ -212,11 +217,12 @@ class Receiver:
                             t.copy_(held[key])
             self.source = model
 
-    def _refuse_delta(self, delivery: Delivery, header: Header) -> None:
-        """A delta for a base this worker does not hold: apply nothing, and ask for a full payload
-        (an ack of type BaseMismatch, which the sender answers with the newest version in full)."""
+    def _refuse_delta(self, delivery: Delivery, header: Header, state: str) -> None:
+        """A delta for a base this worker does not hold as it received it (``state`` says why): apply
+        nothing, and ask for a full payload (an ack of type BaseMismatch, which the sender answers
+        with the newest version in full)."""
         _release(delivery)
-        why = (f"worker {self.worker_idx} holds version {self.version}; version {header.version} came as a delta "
+        why = (f"worker {self.worker_idx} {state}; version {header.version} came as a delta "
                f"from version {header.base}: asking for a full payload")
         log.info("%s", why)
         self.endpoint.ack(Ack(self.worker_idx, self.version, why, "BaseMismatch").encode())
@@ -275,6 +281,7 @@ class Receiver:
             restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or not on_cpu and any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
+        self._as_applied = _as_applied(targets)
         return bool(adopted)
 
     def _apply_encoded(self, delivery: Delivery, header: Header, where: str) -> bool:
@@ -316,12 +323,26 @@ class Receiver:
         if ops is None:
             unpack_wire(wire, payload, targets)
         else:
+            if self._as_applied is None or _as_applied(targets) != self._as_applied:
+                raise _WroteSince()  # what the worker wrote would stay where the trainer changed nothing
             apply_ops(ops, indices, payload, targets)
         if self._extra:
             restore_extra_state(self.source, targets)
         if payload.is_cuda or any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
+        self._as_applied = _as_applied(targets)
         return False
+
+
+class _WroteSince(Exception):
+    """The worker wrote its model (an in-place op on one of its tensors) since the last apply, or
+    replaced a tensor: a partial payload would keep what it wrote."""
+
+
+def _as_applied(targets: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's identity and version counter (in-place writes move it on; one through
+    ``.data`` does not)."""
+    return [(id(t), t._version) for t in targets.values()]
 
 
 class _Adopted:
