@@ -281,7 +281,7 @@ class Receiver:
             restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or not on_cpu and any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
-        self._as_applied = None  # a plain payload: its sender sends no partial ones (one would ask for full)
+        self._as_applied = _as_applied(targets)
         return bool(adopted)
 
     def _apply_encoded(self, delivery: Delivery, header: Header, where: str) -> bool:
