@@ -49,12 +49,13 @@ def test_model_holds_exactly_the_bytes_asked(nbytes: int) -> None:
 
 
 def test_cli_smoke(tmp_path, capsys) -> None:
-    """Threads (inproc), processes (mp, when installed) and a missing transport, end to end."""
+    """Threads (inproc) and processes (mp, when installed), end to end (an unknown transport is
+    refused before anything runs: ``test_bad_arguments_exit_2``)."""
     systems = ["inproc"] + [t for t in ("mp",) if _installed(t)]
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    rc = cli_main(["bench", "--transports", ",".join([*systems, "nosuch"]), "--sizes", "8KiB",
+    rc = cli_main(["bench", "--transports", ",".join(systems), "--sizes", "8KiB",
                    "--workers", "2", "--repeat", "2", "--json", str(out_json), "--plot", str(out_png)])
-    assert rc == 1  # "nosuch" is not installed: its rows carry the error, the others still run
+    assert rc == 0
     table = capsys.readouterr().out
     data = json.loads(out_json.read_text())
     assert data["machine"]["cores"] >= 1 and data["machine"]["torch"] and "inproc" in data["machine"]["transports"]
@@ -68,7 +69,6 @@ def test_cli_smoke(tmp_path, capsys) -> None:
             assert len(row["latencies_s"]) == 2 and row["workers"] == 2
             assert row["p10_s"] <= row["median_s"] <= row["p90_s"] and row["x_memcpy"] > 0
             assert f"| {system}" in table
-        assert "no transport named 'nosuch'" in rows["nosuch", size]["error"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not multiprocessing.active_children()
 
