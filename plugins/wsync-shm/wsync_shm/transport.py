@@ -170,7 +170,7 @@ class _Sender(SenderEndpoint):
         self._conns.clear()
         if self._selector is not None:
             for key in list(self._selector.get_map().values()):
-                if key.fileobj is not self._listener and key.fd != self._wakeup.fd:
+                if key.data is not None:  # a connection (the listener and the wake-up close below)
                     key.fileobj.close()
             self._selector.close()
             self._selector = None
