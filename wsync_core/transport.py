@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
@@ -327,6 +327,34 @@ def check_interface(cls: type[Transport]) -> None:
         raise TypeError(f"{cls.__module__}.{cls.__qualname__} {said}; wsync-core {__version__} implements "
                         f"interface {INTERFACE_VERSION} (set interface = {INTERFACE_VERSION} once it does; "
                         f"docs/writing-a-transport.md lists what changed between versions)")
+
+
+def parse_value(text: str) -> Any:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``; raises ValueError for an item without '='."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"transport options are KEY=VALUE, got {pair!r}")
+        out[key.strip()] = parse_value(value)
+    return out
 
 
 def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:

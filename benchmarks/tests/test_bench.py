@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsync_bench import harness as bench
+from wsync_bench.harness import split_system
 from wsync_core import list_transports
 from wsync_core.cli import main as cli_main
 
@@ -86,6 +88,13 @@ def test_bad_arguments_exit_2(capsys) -> None:
     assert "bad size" in capsys.readouterr().err
     assert cli_main(["bench", "--transports", "shm,nosuch"]) == 2  # before anything is timed
     assert "no transport named 'nosuch'" in capsys.readouterr().err
+    assert cli_main(["bench", "--transports", "inproc:bogus=1"]) == 2  # options travel as NAME:KEY=VALUE
+    assert "transport 'inproc' has no option 'bogus'" in capsys.readouterr().err
+    assert cli_main(["bench", "--device", "cuda", "--transports", "inproc"]) == 2
+    err = capsys.readouterr().err
+    assert ("CUDA is not available" in err) if not torch.cuda.is_available() else ("'cuda' capability" in err)
+    assert cli_main(["bench", "--delta", "--device", "cuda"]) == 2
+    assert split_system("shm:cuda_ipc=true:max_slots=3") == ("shm", {"cuda_ipc": True, "max_slots": 3})
 
 
 def test_delta_cli_smoke(tmp_path, capsys) -> None:
@@ -160,13 +169,13 @@ def test_delta_pairs_runs_the_cases_in_the_order_asked(tmp_path) -> None:
     assert bad.returncode == 2 and "unknown cases ['nope']" in bad.stderr
 
 
-@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
-def test_device_sync_checks_what_the_workers_hold(tmp_path) -> None:
-    """``benchmarks/device_sync.py`` (a GPU model to worker processes; here on the CPU) prints its
-    percentiles, the floor, and that every worker holds the last version exactly."""
-    script = Path(__file__).parents[1] / "device_sync.py"
-    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--sizes", "64KiB", "--workers", "1",
-                          "--repeat", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert re.match(r"shm 64KiB to 1 workers on cpu: p50 [0-9.]+ ms, p99 [0-9.]+ ms; floor [0-9.]+ ms .*"
-                    r"workers' models on cpu, exact$", out.stdout.strip()), out.stdout
+def test_workers_check_the_weights_they_hold() -> None:
+    """A bench worker checks each version it applied against the trainer's steps (a wrong value
+    stops the row with an error instead of timing a broken update)."""
+    model = bench.build_model(4096)
+    bench._check_exact(model, 0)
+    bench._bump(model)
+    bench._bump(model)
+    bench._check_exact(model, 2)
+    with pytest.raises(RuntimeError, match="version 1: tensor 0 holds"):
+        bench._check_exact(model, 1)

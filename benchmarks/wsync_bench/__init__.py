@@ -11,6 +11,7 @@ from .harness import (
     Report,
     Row,
     build_model,
+    cuda_floor,
     format_size,
     format_table,
     machine_info,
@@ -18,6 +19,7 @@ from .harness import (
     parse_size,
     plot,
     run,
+    split_system,
     tcp_floor,
     write_json,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "Report",
     "Row",
     "build_model",
+    "cuda_floor",
     "format_size",
     "format_table",
     "machine_info",
@@ -34,6 +37,7 @@ __all__ = [
     "parse_size",
     "plot",
     "run",
+    "split_system",
     "tcp_floor",
     "write_json",
 ]

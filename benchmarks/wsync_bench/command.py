@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from wsync_core import hookimpl
 
@@ -12,11 +13,14 @@ __all__ = ["wsync_register_commands"]
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--transports", default="shm,mp")
+    p.add_argument("--transports", default="shm,mp",
+                   help="comma-separated names, each with options as NAME:KEY=VALUE[:KEY=VALUE]")
     p.add_argument("--sizes", default="10KiB,64MiB,512MiB")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--compare", default="", help="comma-separated: torchrl")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the trainer's and the workers' models live")
     p.add_argument("--json", dest="json_file", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--delta", action="store_true",
@@ -28,6 +32,9 @@ def _main(args: argparse.Namespace) -> int:
     if getattr(args, "delta", False):
         from .delta import main as delta_main
 
+        if args.device != "cpu":
+            print("wsync bench: --delta times CPU models only", file=sys.stderr)
+            return 2
         return delta_main(args)
     return main(args)
 

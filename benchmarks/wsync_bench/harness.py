@@ -4,7 +4,8 @@ Each measurement runs in its own sender process (spawned, in its own process gro
 system can be ended whole) with real worker processes. One update is what a trainer pays per
 step: snapshot, deliver, and every worker's ack (``send()`` with ``sync=True``). The floor is a
 single-thread memcpy of the same bytes, measured in the same run; network transports also get a
-raw loopback TCP send of the same bytes. ``compare=["torchrl"]`` adds TorchRL's
+raw loopback TCP send of the same bytes. On CUDA models (``device="cuda"``) the floors are the
+raw device copies an isolated update needs (``cuda_floor``). ``compare=["torchrl"]`` adds TorchRL's
 ``SharedMemWeightSyncScheme`` and ``MultiProcessWeightSyncScheme`` given explicit weights copied
 into a reused buffer (their cheapest update that leaves the trainer's live tensors alone).
 """
@@ -41,6 +42,10 @@ __all__ = [
     "parse_size",
     "format_size",
     "build_model",
+    "split_system",
+    "memcpy_floor",
+    "cuda_floor",
+    "tcp_floor",
     "run",
     "format_table",
     "write_json",
@@ -71,6 +76,8 @@ class BenchConfig:
     timeout: float = 60.0
     #: how long one measurement (start-up included) may take before its processes are ended
     job_timeout: float | None = None
+    #: where the trainer's and every worker's model live: ``cpu`` or ``cuda``
+    device: str = "cpu"
 
 
 @dataclass
@@ -88,7 +95,7 @@ class Row:
     connect_s: float | None = None
     #: median time spent taking the snapshot, part of each update (wsync only)
     snapshot_s: float | None = None
-    #: median latency over the memcpy floor's, filled in by ``run``
+    #: median latency over the floor's: the memcpy on CPU, the isolation copies on CUDA (``run``)
     x_memcpy: float | None = None
     #: torch threads of the process that copies (the sender's snapshot, or the memcpy floor)
     threads: int | None = None
@@ -188,15 +195,16 @@ def _model_dim(floats: int) -> int:
     return dim
 
 
-def build_model(nbytes: int) -> nn.Module:
-    """A float32 module of ``max(nbytes // 4, 1) * 4`` bytes: a few matrices, biases and one buffer.
+def build_model(nbytes: int, device: str = "cpu") -> nn.Module:
+    """A float32 module of ``max(nbytes // 4, 1) * 4`` bytes on ``device``: a few matrices, biases
+    and one buffer.
 
     Values are deterministic, not random: filling is cheap and the bytes moved are the same.
     """
     floats = max(nbytes // 4, 1)
     dim = _model_dim(floats)
     model = _BenchModel(dim, floats - _LAYERS * (dim * dim + dim))
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
             t.fill_(0.001 * (i + 1))
@@ -204,10 +212,18 @@ def build_model(nbytes: int) -> nn.Module:
 
 
 def _bump(model: nn.Module) -> None:
-    """What a training step does to the weights, in place (not timed)."""
+    """What a training step does to the weights, in place (not timed: done on a GPU too on return)."""
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             t.add_(1.0)
+    _synchronize(model)
+
+
+def _synchronize(model: nn.Module) -> None:
+    """Wait for the GPU work queued on ``model``'s device, if it is on one."""
+    device = next(iter(model.buffers())).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -253,22 +269,37 @@ def _one_thread(go: Any) -> None:
         torch.set_num_threads(1)
 
 
-def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
+def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: Any, stop: Any, conn: Any) -> None:
     try:
         _one_thread(go)
-        model = build_model(nbytes)
+        model = build_model(nbytes, device)
         _tell(conn, ready=worker_idx)
         if not go.wait(300):
             raise RuntimeError("the sender never started")
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
         scheme.connect()
         while not stop.is_set() and _parent_alive():
-            if scheme.receive(timeout=0.1) is not None:  # read as a rollout would, then warm; untimed
-                _tell(conn, worker=worker_idx, read=[_read_all(model), _read_all(model)])
+            version = scheme.receive(timeout=0.1)
+            if version is not None:  # read as a rollout would, then warm; untimed
+                read = [_read_all(model), _read_all(model)]
+                _check_exact(model, version)
+                _tell(conn, worker=worker_idx, read=read)
     except Exception as exc:  # reported to the sender, which puts it in the row
         _tell(conn, error=f"worker {worker_idx}: {type(exc).__name__}: {exc}", trace=traceback.format_exc())
     finally:
         scheme.shutdown()
+
+
+def _check_exact(model: nn.Module, version: int) -> None:
+    """Raise RuntimeError unless the first and last weight of every tensor are what ``version``
+    training steps made of them (``build_model``'s fill plus ``version`` float32 additions of 1)."""
+    for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
+        want = torch.tensor(0.001 * (i + 1), dtype=torch.float32)
+        for _ in range(version):
+            want += 1.0
+        got = t.detach().flatten()[[0, -1]].cpu()
+        if not torch.equal(got, want.expand(2)):
+            raise RuntimeError(f"version {version}: tensor {i} holds {got.tolist()}, expected {want.item()}")
 
 
 def _read_all(model: nn.Module) -> float:
@@ -277,13 +308,14 @@ def _read_all(model: nn.Module) -> float:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             t.sum()
+    _synchronize(model)
     return time.perf_counter() - t0
 
 
-def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: Any, conn: Any) -> None:
+def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: Any, stop: Any, conn: Any) -> None:
     try:
         _one_thread(go)
-        model = build_model(nbytes)
+        model = build_model(nbytes, device)
         _tell(conn, ready=worker_idx)
         if not go.wait(300):  # TorchRL's receiver waits only 10 s for its initial weights
             raise RuntimeError("the sender never started")
@@ -300,7 +332,8 @@ def _torchrl_worker(scheme: Any, worker_idx: int, nbytes: int, go: Any, stop: An
 class _Workers:
     """N receivers: spawned processes, or threads for a transport that cannot cross processes."""
 
-    def __init__(self, target: Callable[..., None], scheme: Any, n: int, nbytes: int, threads: bool) -> None:
+    def __init__(self, target: Callable[..., None], scheme: Any, n: int, nbytes: int, device: str,
+                 threads: bool) -> None:
         self.ctx = multiprocessing.get_context("spawn")
         self.go = threading.Event() if threads else self.ctx.Event()
         self.stop = threading.Event() if threads else self.ctx.Event()
@@ -312,7 +345,8 @@ class _Workers:
         for i in range(n):
             mine, theirs = self.ctx.Pipe(duplex=False)
             # each worker holds its own copy of the scheme, as it would in another process
-            args = (pickle.loads(pickle.dumps(scheme)) if threads else scheme, i, nbytes, self.go, self.stop, theirs)
+            args = (pickle.loads(pickle.dumps(scheme)) if threads else scheme, i, nbytes, device, self.go, self.stop,
+                    theirs)
             p = threading.Thread(target=target, args=args, daemon=True) if threads else self.ctx.Process(
                 target=target, args=args, name=f"wsync-bench-worker-{i}")
             self.conns.append((mine, theirs))
@@ -395,14 +429,15 @@ def _time_sends(model: nn.Module, repeat: int, warmup: int, send: Callable[[], N
 def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
     from wsync_core import WeightSyncScheme, get_transport
 
-    nbytes, n = job["nbytes"], job["workers"]
-    threads = not get_transport(job["system"]).capabilities.processes
-    model = build_model(nbytes)
+    nbytes, n, device = job["nbytes"], job["workers"], job["device"]
+    name, options = split_system(job["system"])
+    threads = not get_transport(name).capabilities.processes
+    model = build_model(nbytes, device)
     rss0 = _status_kib("VmRSS")
     tracked = _reset_peak_rss() and rss0 is not None
-    scheme = WeightSyncScheme(job["system"], timeout=job["timeout"])
+    scheme = WeightSyncScheme(name, timeout=job["timeout"], **options)
     scheme.init_on_sender(model=model, num_workers=n)
-    workers = _Workers(_wsync_worker, scheme, n, nbytes, threads)
+    workers = _Workers(_wsync_worker, scheme, n, nbytes, device, threads)
     snapshots: list[float] = []
     try:
         workers.start(job["start_timeout"])
@@ -433,9 +468,9 @@ def _run_torchrl(job: dict[str, Any]) -> dict[str, Any]:
     import torchrl.weight_update as wu
     from tensordict import TensorDict
 
-    nbytes, n = job["nbytes"], job["workers"]
+    nbytes, n, device = job["nbytes"], job["workers"], job["device"]
     ctx = multiprocessing.get_context("spawn")
-    model = build_model(nbytes)
+    model = build_model(nbytes, device)
     live = TensorDict.from_module(model)
     rss0 = _status_kib("VmRSS")
     tracked = _reset_peak_rss() and rss0 is not None
@@ -444,8 +479,8 @@ def _run_torchrl(job: dict[str, Any]) -> dict[str, Any]:
     # SharedMem shares `buffer` itself with the workers (their models alias it): one copy per
     # update. MultiProcess gets a separate initial copy, so each send really moves `buffer`.
     initial = buffer if job["system"] == "torchrl SharedMem" else live.detach().clone()
-    scheme.init_on_sender(model_id="policy", weights=initial, devices=[torch.device("cpu")] * n, ctx=ctx)
-    workers = _Workers(_torchrl_worker, scheme, n, nbytes, threads=False)
+    scheme.init_on_sender(model_id="policy", weights=initial, devices=[torch.device(device)] * n, ctx=ctx)
+    workers = _Workers(_torchrl_worker, scheme, n, nbytes, device, threads=False)
     try:
         workers.start(job["start_timeout"])
         t0 = time.perf_counter()
@@ -456,6 +491,7 @@ def _run_torchrl(job: dict[str, Any]) -> dict[str, Any]:
             with torch.no_grad():
                 buffer.update_(live)
             scheme.send(weights=buffer)
+            _synchronize(model)
 
         lat = _time_sends(model, job["repeat"], job["warmup"], send, workers)
         peak = _status_kib("VmHWM") if tracked else None
@@ -525,15 +561,44 @@ def memcpy_floor(nbytes: int, repeat: int, threads: int = SENDER_THREADS) -> lis
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dst.copy_(src)
-        out = []
-        for _ in range(max(repeat, 5)):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            out.append(time.perf_counter() - t0)
-        return out
+        return _timed_copies([(dst, src)], repeat)
     finally:
         torch.set_num_threads(previous)
+
+
+def cuda_floor(nbytes: int, repeat: int, workers: int, kind: str) -> list[float]:
+    """Seconds for the raw copies of ``nbytes`` that one update to ``workers`` CUDA receivers needs,
+    in this process, waited for on the GPU: ``"copy"`` one device-to-device copy; ``"isolation"``
+    one for the trainer's snapshot and one into each receiver's own model; ``"staged"`` the
+    snapshot to host memory and one host-to-device copy per receiver (a slot in shared memory)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    if kind == "copy":
+        pairs = [(torch.zeros_like(src), src)]
+    elif kind == "isolation":
+        snapshot = torch.zeros_like(src)
+        pairs = [(snapshot, src)] + [(torch.zeros_like(src), snapshot) for _ in range(workers)]
+    elif kind == "staged":
+        host = torch.zeros(nbytes, dtype=torch.uint8)
+        pairs = [(host, src)] + [(torch.zeros_like(src), host) for _ in range(workers)]
+    else:
+        raise ValueError(f"no CUDA floor {kind!r}")
+    return _timed_copies(pairs, repeat)
+
+
+def _timed_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeat: int) -> list[float]:
+    """Seconds for each of ``max(repeat, 5)`` rounds of ``dst.copy_(src)`` over ``pairs``, in order,
+    after one untimed round (a round on a GPU ends when the GPU is done)."""
+    cuda = any(t.is_cuda for pair in pairs for t in pair)
+    out = []
+    for k in range(1 + max(repeat, 5)):
+        t0 = time.perf_counter()
+        for dst, src in pairs:
+            dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+        if k:
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 def tcp_floor(nbytes: int, repeat: int) -> list[float]:
@@ -578,6 +643,10 @@ def tcp_floor(nbytes: int, repeat: int) -> list[float]:
         raise errors[0]
     return out
 
+
+#: the floors of a run on CUDA models (``cuda_floor``'s kinds); the ratio column is over the
+#: isolation copies, what no transport that keeps every worker's model its own can skip
+CUDA_FLOORS = {"cuda copy": "copy", "cuda isolation copies": "isolation", "cuda staged copies": "staged"}
 
 #: the unix floor is measured at model sizes up to this one, where a control round trip matters
 UNIX_FLOOR_MAX_BYTES = 1 << 20
@@ -681,8 +750,17 @@ def _systems(config: BenchConfig) -> list[tuple[str, str]]:
     return systems
 
 
-def _unavailable(system: str, kind: str) -> str | None:
-    """Why ``system`` cannot run here, or None."""
+def split_system(system: str) -> tuple[str, dict[str, Any]]:
+    """``"shm:cuda_ipc=true"`` -> ``("shm", {"cuda_ipc": True})``: a transport's name, then its
+    options as ``:KEY=VALUE`` items. Raises ValueError for an item without '='."""
+    from wsync_core.transport import parse_options
+
+    name, *pairs = system.split(":")
+    return name.strip(), parse_options(pairs)
+
+
+def _unavailable(system: str, kind: str, device: str = "cpu") -> str | None:
+    """Why ``system`` cannot run here on ``device`` models, or None."""
     if kind == "torchrl":
         try:
             import torchrl.weight_update  # noqa: F401
@@ -690,11 +768,16 @@ def _unavailable(system: str, kind: str) -> str | None:
             return f"TorchRL is not installed ({exc}); pip install torchrl"
         return None
     from wsync_core import UnknownTransportError, get_transport
+    from wsync_core.transport import check_options
 
     try:
-        get_transport(system)
-    except UnknownTransportError as exc:
+        name, options = split_system(system)
+        cls = get_transport(name)
+        check_options(cls, options)
+    except (UnknownTransportError, ValueError) as exc:
         return str(exc)
+    if device == "cuda" and not cls.capabilities.cuda:
+        return f"transport {name!r} does not declare the 'cuda' capability"
     return None
 
 
@@ -702,7 +785,7 @@ def _network(system: str) -> bool:
     from wsync_core import get_transport
 
     try:
-        return get_transport(system).capabilities.multi_host
+        return get_transport(split_system(system)[0]).capabilities.multi_host
     except Exception:  # an unknown transport has no floor of its own; its row carries the error
         return False
 
@@ -713,14 +796,16 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         raise ValueError(f"workers and repeat must be >= 1, got {config.workers} and {config.repeat}")
     systems = _systems(config)
     network = any(kind == "wsync" and _network(s) for s, kind in systems)
-    floors = ["memcpy"] + (["tcp"] if network else [])
+    floors = (["memcpy"] if config.device == "cpu" else list(CUDA_FLOORS)) + (["tcp"] if network else [])
     bar = _Progress(len(config.sizes) * (len(floors) + len(systems)), progress)
     rows: list[Row] = []
     try:
         for nbytes in config.sizes:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
-            here = floors + (["unix"] if nbytes <= UNIX_FLOOR_MAX_BYTES else [])
-            floor_rows = [Row(name, "floor", nbytes, config.workers if name == "unix" else None,
+            # on a GPU the wake-up and ack can outweigh the copy at any size
+            unix = nbytes <= UNIX_FLOOR_MAX_BYTES or config.device == "cuda"
+            here = floors + (["unix"] if unix else [])
+            floor_rows = [Row(name, "floor", nbytes, config.workers if name in ("unix", *CUDA_FLOORS) else None,
                               threads=SENDER_THREADS if name == "memcpy" else None)
                           for name in here]
             rows += floor_rows
@@ -731,10 +816,11 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
             for system, kind in systems:
                 bar.step(f"{system} {format_size(nbytes)} x{config.workers}")
                 row = Row(system, kind, nbytes, config.workers)
-                row.error = _unavailable(system, kind)
+                row.error = _unavailable(system, kind, config.device)
                 if row.error is None:
                     job = {"system": system, "kind": kind, "nbytes": nbytes, "workers": config.workers,
                            "repeat": config.repeat, "warmup": config.warmup, "timeout": config.timeout,
+                           "device": config.device,
                            "start_timeout": 120.0 + 15.0 * config.workers}
                     result = _run_job(job, config.job_timeout or _job_timeout(config, nbytes))
                     row.error = result.get("error")
@@ -748,11 +834,12 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
                 _measure_floor(row, config.repeat)
     finally:
         bar.close()
-    floor = {r.nbytes: r.median_s for r in rows if r.system == "memcpy"}
+    base = "memcpy" if config.device == "cpu" else "cuda isolation copies"
+    floor = {r.nbytes: r.median_s for r in rows if r.system == base}
     for r in rows:
         if r.median_s and floor.get(r.nbytes) and r.system != "unix":
             r.x_memcpy = r.median_s / floor[r.nbytes]
-    return Report(config, machine_info(), rows)
+    return Report(config, machine_info(config.device), rows)
 
 
 def _measure_floor(row: Row, repeat: int) -> None:
@@ -761,6 +848,8 @@ def _measure_floor(row: Row, repeat: int) -> None:
     try:
         if row.system == "memcpy":
             row.latencies_s += memcpy_floor(row.nbytes, repeat)
+        elif row.system in CUDA_FLOORS:
+            row.latencies_s += cuda_floor(row.nbytes, repeat, row.workers, CUDA_FLOORS[row.system])
         elif row.system == "unix":
             row.latencies_s += unix_floor(row.workers, repeat)
         else:
@@ -776,8 +865,9 @@ def _job_timeout(config: BenchConfig, nbytes: int) -> float:
 
 
 # -- output ------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    """Where the figures come from: OS, CPU, cores, memory, Python, torch, wsync and its transports."""
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    """Where the figures come from: OS, CPU, cores, memory, Python, torch, wsync and its transports,
+    and the GPU on ``cuda``."""
     from wsync_core import __version__, list_transports
 
     cpu = platform.processor() or platform.machine()
@@ -804,7 +894,11 @@ def machine_info() -> dict[str, Any]:
         "transports": {i.name: {"distribution": i.distribution, "version": i.version, "error": i.error}
                        for i in list_transports()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "device": device,
     }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
     try:
         import importlib.metadata
 
@@ -823,7 +917,8 @@ def _ms(v: float | None) -> str:
 
 def format_table(report: Report) -> str:
     """The report as an aligned text table (Markdown-compatible), one line per system and size."""
-    head = ("system", "size", "workers", "threads", "median ms", "p10 ms", "p90 ms", "p99 ms", "GiB/s", "x memcpy",
+    ratio = "x memcpy" if report.config.device == "cpu" else "x isolation"
+    head = ("system", "size", "workers", "threads", "median ms", "p10 ms", "p90 ms", "p99 ms", "GiB/s", ratio,
             "1st read ms", "warm read ms", "sender +MiB")
     lines = [head]
     for r in report.rows:
@@ -908,11 +1003,14 @@ def main(args: argparse.Namespace) -> int:
             workers=args.workers,
             repeat=args.repeat,
             compare=[c.strip() for c in (args.compare or "").split(",") if c.strip()],
+            device=args.device,
         )
         _systems(config)
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
         if config.workers < 1 or config.repeat < 1:
             raise ValueError(f"--workers and --repeat must be >= 1, got {config.workers} and {config.repeat}")
-        unknown = [why for name in config.transports if (why := _unavailable(name, "wsync"))]
+        unknown = [why for name in config.transports if (why := _unavailable(name, "wsync", config.device))]
         if unknown:
             raise ValueError("; ".join(unknown))
     except ValueError as exc:

@@ -6,42 +6,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsync_core import Capabilities, Transport, get_transport
-from wsync_core.transport import check_options
+from wsync_core.transport import check_options, parse_options, parse_value
 
 __all__ = ["parse_value", "parse_options", "seconds", "Target"]
-
-
-def parse_value(text: str) -> Any:
-    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string."""
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
-
-
-def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
-    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``; raises ValueError for an item without '='."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"transport options are KEY=VALUE, got {pair!r}")
-        out[key.strip()] = parse_value(value)
-    return out
 
 
 def seconds(text: str) -> float:

@@ -569,11 +569,11 @@ class ShmTransport(Transport):
     already has (for code that holds tensors across ``receive()``). The default, None, maps
     models of 1 MiB and more and copies smaller ones (cheaper than mapping them).
 
-    With ``cuda_ipc=True`` (opt-in until its latest fixes have run on a GPU), a sender whose model
-    is on a GPU keeps its snapshots in that GPU's memory, which
-    workers open by its CUDA IPC handle and copy from device to device into their own models
-    (isolated as always: no worker views the sender's memory after its receive). By default a GPU
-    model's snapshots are staged in host memory, which any worker can read.
+    With ``cuda_ipc=True``, a sender whose model is on a GPU keeps its snapshots in that GPU's
+    memory, which workers open by its CUDA IPC handle and copy from device to device into their
+    own models (isolated as always: no worker views the sender's memory after its receive); a
+    worker that cannot open it gets a TransportError. By default a GPU model's snapshots are
+    staged in host memory, which any worker can read.
     """
 
     name = "shm"
