@@ -620,10 +620,23 @@ if TcpTransport is not None:
     UnnamedSecret = type("UnnamedSecret", (TcpTransport,), {"name": "unnamedsecret", "secret_options": (),
                                                             "auth_options": staticmethod(_auth_options),
                                                             "__module__": __name__})
-    BROKEN.update(ShowsSecret="safe", UnnamedSecret="safe")
+
+    def _keyed_alike(endpoint: type):
+        def make(self, ctx):  # the handshake's MAC uses one built-in key, not the peer's own
+            return endpoint({**self.options, "authkey": "built-in"} if self.options["authkey"] else self.options, ctx)
+        return make
+
+    #: declares auth and runs the handshake, but every peer proves the same built-in key: a
+    #: stranger with a wrong key joins and is sent every version
+    KeyIgnored = type("KeyIgnored", (TcpTransport,), {"name": "keyignored", "sender": _keyed_alike(_TcpSender),
+                                                      "receiver": _keyed_alike(_TcpReceiver),
+                                                      "auth_options": staticmethod(_auth_options),
+                                                      "__module__": __name__})
+    BROKEN.update(ShowsSecret="safe", UnnamedSecret="safe", KeyIgnored="safe")
     SELECT.update(ShowsSecret="test_capability_auth_secrets_never_shown",
-                  UnnamedSecret="test_capability_auth_secrets_never_shown")
-    __all__ += ["ShowsSecret", "UnnamedSecret"]
+                  UnnamedSecret="test_capability_auth_secrets_never_shown",
+                  KeyIgnored="test_capability_auth and not secrets")
+    __all__ += ["ShowsSecret", "UnnamedSecret", "KeyIgnored"]
 
     HoardingSender = _tcp("HoardingSender", sender=_HoardingSender)
     HangsWhenSenderDies = _tcp("HangsWhenSenderDies", receiver=_HangsWhenSenderDies)

@@ -59,7 +59,7 @@ class CapabilityChecks:
                      "valid credentials (good=False)")
         good, bad = dict(hook(True)), dict(hook(False))
         wsync.target = Target(wsync.target.transport, {**wsync.target.options, **good})
-        wait = wsync.short_timeout * 5
+        wait = wsync.short_timeout * 3  # each wait below is waited out whole: the stranger never answers
         s = wsync.session(version_spec(), n=2, connect=False)
         t = s.scheme.transport
         stranger = WeightSyncScheme(type(t)(**{**t.options, **bad}), timeout=wait)
@@ -85,7 +85,7 @@ class CapabilityChecks:
         s.fill(random_values(s.spec, 2))
         with s.following([0, 1]) as reports:
             try:
-                s.scheme.send(timeout=wait)
+                s.scheme.send(timeout=wsync.short_timeout * 2)  # the authenticated worker is connected by now
             except WorkerTimeoutError as exc:
                 if exc.workers != [1]:
                     raise violated("safe", f"send() names {exc.workers}, expected only the unauthenticated peer [1]") from exc
