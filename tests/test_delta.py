@@ -220,7 +220,8 @@ def test_a_worker_that_wrote_its_model_gets_the_newest_version_in_full(cluster) 
     scramble(weights, 60, 0.01)
     c.sender.send()
     writer = c.receivers[0]
-    for step, write in enumerate([lambda m: m["big"].add_(1.0), lambda m: m["matrix"][3].zero_()]):
+    swap = lambda m: setattr(m["big"], "data", m["big"].detach() + 1.0)  # noqa: E731 (what vector_to_parameters does)
+    for step, write in enumerate([lambda m: m["big"].add_(1.0), lambda m: m["matrix"][3].zero_(), swap]):
         writer.pause()
         write(writer.model)  # in place, between two receives
         writer.resume()
@@ -228,6 +229,9 @@ def test_a_worker_that_wrote_its_model_gets_the_newest_version_in_full(cluster) 
         v = c.sender.send()  # a delta to both; the writer refuses it and gets version v in full
         assert all(r.scheme.version == v and same(r.model, weights) for r in c.receivers)
         assert not writer.errors
+        report = c.sender.last_report  # what each worker got on the wire
+        assert report.delta_workers == [1] and report.worker_nbytes[0] == report.full_nbytes == report.nbytes
+        assert report.worker_nbytes[1] < report.full_nbytes
     scramble(weights, 70, 0.01)
     c.sender.send()  # nothing written since: a delta again
     assert c.sender.last_report.delta_workers == [0, 1]

@@ -64,7 +64,7 @@ class Receiver:
         self._adopted = _Adopted()
         #: each tensor's identity and version counter right after the last apply: a partial payload
         #: (a delta, a key subset) holds only if the worker has not written its model since
-        self._as_applied: list[tuple[int, int]] | None = None
+        self._as_applied: list[tuple[int, int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1
 
@@ -339,10 +339,10 @@ class _WroteSince(Exception):
     replaced a tensor: a partial payload would keep what it wrote."""
 
 
-def _as_applied(targets: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
-    """Each tensor's identity and version counter (in-place writes move it on; one through
-    ``.data`` does not)."""
-    return [(id(t), t._version) for t in targets.values()]
+def _as_applied(targets: Mapping[str, torch.Tensor]) -> list[tuple[int, int, int]]:
+    """Each tensor's identity, version counter (in-place writes move it on; one through
+    ``.data`` does not) and address (``p.data = ...`` swaps the memory under the same object)."""
+    return [(id(t), t._version, t.data_ptr()) for t in targets.values()]
 
 
 class _Adopted:

@@ -385,6 +385,15 @@ class Sender:
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self._latest = (self._publish_to(buffer, used, header, workers), header)
+        entry = self._pending.get(self.version)
+        if entry is not None:  # the version's report counts what these workers got now
+            report = entry[0]
+            for w in workers:
+                if w in report.targets:
+                    report.worker_nbytes[w] = used if self._moves_prefix() else buffer.tensor.numel()
+                    if w in report.delta_workers:
+                        report.delta_workers.remove(w)
+            report.nbytes = max(report.worker_nbytes.values(), default=0)
 
     def _record(self, report: SendReport, t0: float) -> None:
         """Make ``report`` the newest send, waited on by its acks; its targets' old rejections go."""
