@@ -144,8 +144,10 @@ def test_keys_send_is_previous_version_plus_those_keys(cluster) -> None:
         c.sender.send(keys=["matrix", "t0"])
         expected = {k: (weights[k] if k in ("matrix", "t0") else before[k]) for k in weights}
         assert same(c.receivers[0].model, expected)
-        with pytest.raises(ValueError, match="unknown"):
+        with pytest.raises(ValueError, match="unknown: 'nope'"):
             c.sender.send(keys=["nope"])
+        with pytest.raises(ValueError, match="names no key"):
+            c.sender.send(keys=[])
         c.stop()
 
 

@@ -496,3 +496,12 @@ def test_repr_hides_secret_options_and_pickling_keeps_them():
     assert "other_key=None" in repr(t) and "visible='shown-value'" in repr(t)
     assert "s3cret-value" not in repr(WeightSyncScheme(t))
     assert pickle.loads(pickle.dumps(t)).options["authkey"] == "s3cret-value"
+
+
+@pytest.mark.parametrize("transport,options", [("inproc", {"sync": "no"}), ("inproc", {"checksum": "no"}),
+                                                ("inproc", {"checksum": 1})])
+def test_a_flag_that_is_not_true_or_false_is_refused_by_name(transport: str, options: dict) -> None:
+    """A string "no" or a number would read as True: flags take True or False, else ValueError naming them."""
+    (name, value), = options.items()
+    with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
+        WeightSyncScheme(transport, **options)

@@ -30,7 +30,7 @@ from .receiver import Receiver
 from .registry import resolve_transport
 from .report import SendReport
 from .sender import Sender, SendHandle
-from .transport import Transport
+from .transport import Transport, flag
 from .weights import Weights, check_strategy
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
@@ -90,7 +90,7 @@ class WeightSyncScheme:
             raise ValueError(f"delta_dense must be a number in [0, 1] or None, got {delta_dense!r}")
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
-        self._config = {"strategy": check_strategy(strategy), "sync": bool(sync),
+        self._config = {"strategy": check_strategy(strategy), "sync": flag("sync", sync),
                         "timeout": float(timeout), "model_id": None,
                         "delta": delta if delta == "always" else bool(delta),
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}

@@ -191,9 +191,11 @@ class Sender:
             keys = [keys]
         chosen = sorted(set(keys))
         known = {e.key for e in self.layout.entries}
+        if not chosen:
+            raise ValueError("send(keys=...) names no key: give one of the model's keys or a non-empty list of them")
         unknown = [k for k in chosen if not isinstance(k, str) or k not in known]
-        if unknown or not chosen:
-            raise ValueError(f"send(keys=...) needs a non-empty list of the model's keys; unknown: "
+        if unknown:
+            raise ValueError(f"send(keys=...) needs keys of the model; unknown: "
                              f"{clip_keys([repr(k) if not isinstance(k, str) else k for k in unknown])}")
         return chosen
 

@@ -57,6 +57,7 @@ __all__ = [
     "Transport",
     "free_port",
     "check_options",
+    "flag",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -355,6 +356,14 @@ def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"transport options are KEY=VALUE, got {pair!r}")
         out[key.strip()] = parse_value(value)
     return out
+
+
+def flag(name: str, value: Any, *, optional: bool = False) -> bool | None:
+    """``value`` if it is True or False (or None where ``optional``); raises ValueError naming
+    ``name`` for anything else (a string "no" would otherwise read as True)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise ValueError(f"{name} must be True{', False or None' if optional else ' or False'}, got {value!r}")
 
 
 def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:

@@ -44,7 +44,7 @@ from wsync_core import (
     TransportError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event
+from wsync_core.transport import Event, flag
 
 __all__ = ["FilesTransport"]
 
@@ -340,7 +340,7 @@ class FilesTransport(Transport):
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:
         if directory is None:
             raise ValueError("the files transport needs directory=<a folder every side can reach>")
-        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=bool(checksum))
+        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=flag("files option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)

@@ -20,6 +20,7 @@ from wsync_core.transport import (
     SenderEndpoint,
     Transport,
 )
+from wsync_core.transport import flag
 
 __all__ = ["RayTransport", "TRUSTED_RUNTIME"]
 
@@ -74,7 +75,7 @@ class RayTransport(Transport):
         if not isinstance(direct_acks, bool):
             raise TypeError(f"ray option direct_acks must be True or False, got {direct_acks!r}")
         super().__init__(channel=channel, namespace=_name(namespace, "namespace"), address=address,
-                         checksum=bool(checksum), zero_copy=zero_copy, direct_acks=direct_acks)
+                         checksum=flag("ray option checksum", checksum), zero_copy=zero_copy, direct_acks=direct_acks)
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         from .endpoints import RaySender

@@ -10,6 +10,7 @@ from typing import Any
 from wsync_core import (Capabilities, ReceiverContext, SenderContext, Transport, TransportError, free_port,
                         hookimpl)
 from wsync_core.stream import StreamReceiver, StreamSender
+from wsync_core.transport import flag
 
 __all__ = ["TcpTransport", "__version__"]
 __version__ = "0.1.0"
@@ -102,7 +103,7 @@ class TcpTransport(Transport):
         if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.5 <= heartbeat <= 3600:
             raise ValueError(f"tcp option heartbeat must be seconds in [0.5, 3600], got {heartbeat!r}")
         super().__init__(host=host, port=port, advertise=advertise, authkey=authkey,
-                         heartbeat=float(heartbeat), checksum=bool(checksum))
+                         heartbeat=float(heartbeat), checksum=flag("tcp option checksum", checksum))
 
     @property
     def checksum(self) -> bool:

@@ -57,8 +57,8 @@ class WsyncScheme(TorchRLScheme):
     def __init__(self, transport: str | Transport = "shm", *, strategy: str = "tensordict", sync: bool = True,
                  timeout: float = 60.0, **options: Any) -> None:
         super().__init__(strategy=strategy)
-        self.sync = bool(sync)
         self._wsync = WeightSyncScheme(transport, strategy=strategy, sync=sync, timeout=timeout, **options)
+        self.sync = sync
         self._fresh()
 
     def _fresh(self) -> None:

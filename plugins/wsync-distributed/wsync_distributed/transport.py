@@ -16,6 +16,7 @@ import socket
 from typing import Any
 
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
+from wsync_core.transport import flag
 
 from .config import Config
 from .receiver import DistributedReceiver
@@ -110,7 +111,8 @@ class DistributedTransport(Transport):
         super().__init__(backend=backend, host=str(host), port=int(port), world_size=world_size, rank=rank,
                          bucket_mb=float(bucket_mb), collective_timeout=float(collective_timeout),
                          heartbeat_timeout=float(heartbeat_timeout), bind=bind, prefix=str(prefix),
-                         devices=devices, stream=bool(stream), checksum=bool(checksum))
+                         devices=devices, stream=flag("distributed option stream", stream),
+                         checksum=flag("distributed option checksum", checksum))
 
     def config(self) -> Config:
         """The options resolved for this process (``rank`` from ``RANK`` under a launcher)."""

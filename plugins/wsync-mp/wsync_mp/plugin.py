@@ -8,7 +8,7 @@ from typing import Any
 
 from wsync_core import hookimpl
 from wsync_core.transport import Capabilities, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint, \
-    Transport, zero_copy_for
+    Transport, flag, zero_copy_for
 
 from .receiver import MpReceiver
 from .sender import MpSender
@@ -60,8 +60,8 @@ class MpTransport(Transport):
             raise ValueError("mp option authkey must be a non-empty string (or None)")
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 2):
             raise ValueError(f"max_slots must be an int >= 2, got {max_slots!r}")
-        super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=bool(checksum),
-                         zero_copy=None if zero_copy is None else bool(zero_copy))
+        super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=flag("mp option checksum", checksum),
+                         zero_copy=flag("mp option zero_copy", zero_copy, optional=True))
 
     @property
     def _key(self) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.distributed.rpc as rpc
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
+from wsync_core.transport import flag
 
 __all__ = ["RpcTransport"]
 
@@ -46,7 +47,7 @@ class RpcTransport(Transport):
         if world_size is not None and not (isinstance(world_size, int) and world_size >= 2):
             raise ValueError(f"rpc: world_size must be an int >= 2 (num_workers + 1), got {world_size!r}")
         super().__init__(host=str(host), port=int(port) if port else free_port(str(host)), world_size=world_size,
-                         rpc_timeout=float(rpc_timeout), checksum=bool(checksum))
+                         rpc_timeout=float(rpc_timeout), checksum=flag("rpc option checksum", checksum))
 
     def sender(self, ctx: SenderContext):
         from .endpoints import RpcSender

@@ -54,7 +54,7 @@ from wsync_core import (
     WorkerTimeoutError,
     zero_copy_for,
 )
-from wsync_core.transport import Event
+from wsync_core.transport import Event, flag
 
 from . import wire
 from .wire import FRAMING, REASON_BYTES, Kind
@@ -586,8 +586,9 @@ class ShmTransport(Transport):
         name = name or uuid.uuid4().hex[:16]
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
-        super().__init__(name=name, checksum=bool(checksum), zero_copy=None if zero_copy is None else bool(zero_copy),
-                         cuda_ipc=bool(cuda_ipc))
+        super().__init__(name=name, checksum=flag("shm option checksum", checksum),
+                         zero_copy=flag("shm option zero_copy", zero_copy, optional=True),
+                         cuda_ipc=flag("shm option cuda_ipc", cuda_ipc))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)
