@@ -183,7 +183,8 @@ class InprocTransport(Transport):
     capabilities = Capabilities(processes=False, zero_copy=True)
 
     def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:
-        super().__init__(channel=channel or f"inproc-{uuid.uuid4().hex}", checksum=flag("inproc option checksum", checksum))
+        super().__init__(channel=channel or f"inproc-{uuid.uuid4().hex}",
+                         checksum=flag("inproc option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)

@@ -340,7 +340,8 @@ class FilesTransport(Transport):
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:
         if directory is None:
             raise ValueError("the files transport needs directory=<a folder every side can reach>")
-        super().__init__(directory=os.path.abspath(os.fspath(directory)), checksum=flag("files option checksum", checksum))
+        super().__init__(directory=os.path.abspath(os.fspath(directory)),
+                         checksum=flag("files option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         return _Sender(self, ctx)

@@ -94,7 +94,8 @@ class UnixTransport(Transport):
             raise ValueError("unix option authkey must be a non-empty string")
         if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.5 <= heartbeat <= 3600:
             raise ValueError(f"unix option heartbeat must be seconds in [0.5, 3600], got {heartbeat!r}")
-        super().__init__(name=name, authkey=authkey, heartbeat=float(heartbeat), checksum=flag("unix option checksum", checksum))
+        super().__init__(name=name, authkey=authkey, heartbeat=float(heartbeat),
+                         checksum=flag("unix option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> _Sender:
         return _Sender(self.options, ctx)
