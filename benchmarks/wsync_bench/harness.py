@@ -279,12 +279,14 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: An
             raise RuntimeError("the sender never started")
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
         scheme.connect()
+        held = None
         while not stop.is_set() and _parent_alive():
             version = scheme.receive(timeout=0.1)
             if version is not None:  # read as a rollout would, then warm; untimed
-                read = [_read_all(model), _read_all(model)]
-                _check_exact(model, version)
-                _tell(conn, worker=worker_idx, read=read)
+                held = version
+                _tell(conn, worker=worker_idx, read=[_read_all(model), _read_all(model)])
+        if held is not None:  # once the timing is over: work here would move the worker's next wake-up
+            _check_exact(model, held)
     except Exception as exc:  # reported to the sender, which puts it in the row
         _tell(conn, error=f"worker {worker_idx}: {type(exc).__name__}: {exc}", trace=traceback.format_exc())
     finally:
@@ -293,14 +295,15 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: An
 
 def _check_exact(model: nn.Module, version: int) -> None:
     """Raise RuntimeError unless the first and last weight of every tensor are what ``version``
-    training steps made of them (``build_model``'s fill plus ``version`` float32 additions of 1)."""
-    for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
-        want = numpy.float32(0.001 * (i + 1))
-        for _ in range(version):
-            want = numpy.float32(want + numpy.float32(1.0))
+    training steps made of them: ``build_model``'s fill plus ``version`` float32 additions of 1."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    want = numpy.array([0.001 * (i + 1) for i in range(len(tensors))], dtype=numpy.float32)
+    for _ in range(version):
+        want += numpy.float32(1.0)
+    for i, t in enumerate(tensors):
         got = t.detach().flatten()[[0, -1]].cpu().numpy()
-        if not (got == want).all():
-            raise RuntimeError(f"version {version}: tensor {i} holds {got.tolist()}, expected {float(want)}")
+        if not (got == want[i]).all():
+            raise RuntimeError(f"version {version}: tensor {i} holds {got.tolist()}, expected {float(want[i])}")
 
 
 def _read_all(model: nn.Module) -> float:
@@ -372,14 +375,7 @@ class _Workers:
     def check(self) -> None:
         """Raise RuntimeError with the first worker error or death seen so far."""
         for i, (conn, _) in enumerate(self.conns):
-            while conn.poll(0):
-                msg = json.loads(conn.recv_bytes())
-                if "error" in msg:
-                    raise RuntimeError(msg["error"])
-                if "read" in msg:
-                    self.reads[msg["worker"]].append(msg["read"])
-                else:
-                    self.ready.add(msg["ready"])
+            self._read(conn)
             p = self.procs[i]
             if isinstance(p, multiprocessing.process.BaseProcess) and p.exitcode not in (None, 0):
                 raise RuntimeError(f"worker {i} exited with code {p.exitcode}")
@@ -394,7 +390,20 @@ class _Workers:
                 raise RuntimeError(f"workers did not read version {count}'s weights within {timeout:g} s")
             time.sleep(0.0002)
 
-    def close(self) -> None:
+    def _read(self, conn: Any) -> None:
+        """Take in a worker's messages so far; raise RuntimeError with the error one reports."""
+        while conn.poll(0):
+            msg = json.loads(conn.recv_bytes())
+            if "error" in msg:
+                raise RuntimeError(msg["error"])
+            if "read" in msg:
+                self.reads[msg["worker"]].append(msg["read"])
+            else:
+                self.ready.add(msg["ready"])
+
+    def close(self) -> str | None:
+        """Stop the workers and end them; returns the first error one reported while stopping
+        (its check of the weights it held last), or None."""
         self.stop.set()
         for p in self.procs:
             if p.ident is not None:
@@ -403,9 +412,15 @@ class _Workers:
             if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        error = None
         for a, b in self.conns:
+            try:
+                self._read(a)
+            except RuntimeError as exc:
+                error = error or str(exc)
             a.close()
             b.close()
+        return error
 
 
 # -- one measurement, in the sender process -----------------------------------------------------
@@ -455,8 +470,10 @@ def _run_wsync(job: dict[str, Any]) -> dict[str, Any]:
         peak = _status_kib("VmHWM") if tracked else None
     finally:
         logging.getLogger("wsync").setLevel(logging.ERROR)  # workers leaving now is the plan, not news
-        workers.close()
+        held_wrong = workers.close()
         scheme.shutdown()
+    if held_wrong is not None:
+        raise RuntimeError(held_wrong)
     reads = [r for per in workers.reads.values() for r in per[job["warmup"]:]]
     return {"latencies_s": lat, "connect_s": connect_s, "threads": torch.get_num_threads(),
             "first_read_s": statistics.median(r[0] for r in reads) if reads else None,
