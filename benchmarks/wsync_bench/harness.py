@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy
 import torch
 from torch import nn
 
@@ -296,6 +295,8 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: An
 def _check_exact(model: nn.Module, version: int) -> None:
     """Raise RuntimeError unless the first and last weight of every tensor are what ``version``
     training steps made of them: ``build_model``'s fill plus ``version`` float32 additions of 1."""
+    import numpy
+
     tensors = list(model.parameters()) + list(model.buffers())
     want = numpy.array([0.001 * (i + 1) for i in range(len(tensors))], dtype=numpy.float32)
     for _ in range(version):
