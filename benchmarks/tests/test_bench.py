@@ -125,16 +125,15 @@ def test_same_loop_times_every_send_it_was_asked_for(tmp_path) -> None:
     assert out.stdout.startswith("shm 1 workers, 5 sends: p50 "), out.stdout
 
 
-@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
 def test_workers_ratio_alternates_the_worker_counts(tmp_path) -> None:
     """``benchmarks/workers_ratio.py`` times both worker counts in each round and prints the ratios."""
     script = Path(__file__).parents[1] / "workers_ratio.py"
-    out = subprocess.run([sys.executable, str(script), "shm", "--size", "64KiB", "--few", "1", "--many", "2",
+    out = subprocess.run([sys.executable, str(script), "inproc", "--size", "64KiB", "--few", "1", "--many", "2",
                           "--rounds", "1", "--repeat", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     first, summary = out.stdout.strip().splitlines()
     assert re.match(r"round 1: 1 workers p50 [0-9.]+ ms p99 [0-9.]+ ms; 2 workers p50 .* ratio [0-9.]+$", first), first
-    assert re.match(r"shm 64KiB: 2 workers over 1, median of 1 rounds [0-9.]+x", summary), summary
+    assert re.match(r"inproc 64KiB: 2 workers over 1, median of 1 rounds [0-9.]+x", summary), summary
 
 
 @pytest.mark.skipif(not _installed("mp"), reason="the mp plugin is not installed")

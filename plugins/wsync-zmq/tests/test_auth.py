@@ -56,7 +56,7 @@ def test_allowed_client_key_works_others_are_refused_and_logged(keys, spawn, cap
     intruder.send(ACK + Ack(1, 0).encode())
     try:
         with pytest.raises(WorkerTimeoutError) as info:  # only worker 0 holds an allowed key
-            sender.connect(timeout=8.0)
+            sender.connect(timeout=5.0)
         assert 1 in info.value.workers  # (0 too if its process is still starting: it joins late)
         assert good.wait_version(0)["digest"] == digest(model)
         bad_thread.join(30)
@@ -88,7 +88,7 @@ def test_without_the_server_key_a_peer_is_refused(keys, caplog):
     plain, plain_errors, plain_thread = try_connect({"address": address}, worker=1, timeout=4.0)
     try:
         with pytest.raises(WorkerTimeoutError) as info:
-            sender.connect(timeout=8.0)
+            sender.connect(timeout=5.0)
         assert 1 in info.value.workers
         friend_thread.join(30)
         stranger_thread.join(30)
