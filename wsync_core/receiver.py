@@ -62,8 +62,8 @@ class Receiver:
         self.guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._leases = LeaseBook()
         self._adopted = _Adopted()
-        #: each tensor's identity and version counter right after the last apply: a partial payload
-        #: (a delta, a key subset) holds only if the worker has not written its model since
+        #: each tensor's identity, version counter and address right after the last apply: a partial
+        #: payload (a delta, a key subset) holds only if the worker has not written its model since
         self._as_applied: list[tuple[int, int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1

@@ -57,6 +57,8 @@ __all__ = [
     "Transport",
     "free_port",
     "check_options",
+    "parse_options",
+    "parse_value",
     "flag",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
