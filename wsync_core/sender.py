@@ -308,7 +308,7 @@ class Sender:
                 torch.cuda.current_stream(buffer.tensor.device).synchronize()
             published.append((self._publish_to(buffer, used, header, ws), header, ws))
             for w in ws:
-                report.worker_nbytes[w] = used if self._moves_prefix() else buffer.tensor.numel()
+                report.worker_nbytes[w] = self._wire_nbytes(buffer, used)
         t2 = time.perf_counter()
         report.snapshot_s = t2 - t1
         report.nbytes = max(report.worker_nbytes.values(), default=0)
@@ -327,6 +327,10 @@ class Sender:
     def _moves_prefix(self) -> bool:
         """Whether only the used bytes of a payload move (the rest of the buffer stays behind)."""
         return bool(getattr(self.endpoint, "prefix_publish", False)) or self.transport.capabilities.zero_copy
+
+    def _wire_nbytes(self, buffer: Buffer, used: int) -> int:
+        """The bytes a worker gets when ``buffer`` is published with ``used`` bytes in it."""
+        return used if self._moves_prefix() else buffer.tensor.numel()
 
     def _header(self, version: int, buffer: torch.Tensor, used: int, table: list[list[int]] | None = None,
                 base: int | None = None) -> Header:
@@ -392,7 +396,7 @@ class Sender:
             report = entry[0]
             for w in workers:
                 if w in report.targets:
-                    report.worker_nbytes[w] = used if self._moves_prefix() else buffer.tensor.numel()
+                    report.worker_nbytes[w] = self._wire_nbytes(buffer, used)
                     if w in report.delta_workers:
                         report.delta_workers.remove(w)
             report.nbytes = max(report.worker_nbytes.values(), default=0)

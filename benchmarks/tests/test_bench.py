@@ -181,8 +181,8 @@ def test_delta_pairs_runs_the_cases_in_the_order_asked(tmp_path) -> None:
 
 
 def test_workers_check_the_weights_they_hold() -> None:
-    """A bench worker checks each version it applied against the trainer's steps (a wrong value
-    stops the row with an error instead of timing a broken update)."""
+    """A bench worker checks the last version it applied against the trainer's steps (a wrong
+    value turns the row into an error instead of timing a broken update)."""
     model = bench.build_model(4096)
     bench._check_exact(model, 0)
     bench._bump(model)

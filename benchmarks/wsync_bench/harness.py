@@ -206,15 +206,25 @@ def build_model(nbytes: int, device: str = "cpu") -> nn.Module:
     model = _BenchModel(dim, floats - _LAYERS * (dim * dim + dim))
     model.to_empty(device=device)
     with torch.no_grad():
-        for i, t in enumerate(list(model.parameters()) + list(model.buffers())):
-            t.fill_(0.001 * (i + 1))
+        for i, t in enumerate(_tensors(model)):
+            t.fill_(_fill(i))
     return model
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, then its buffers."""
+    return list(model.parameters()) + list(model.buffers())
+
+
+def _fill(i: int) -> float:
+    """What ``build_model`` fills its i-th tensor with."""
+    return 0.001 * (i + 1)
 
 
 def _bump(model: nn.Module) -> None:
     """What a training step does to the weights, in place (not timed: done on a GPU too on return)."""
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in _tensors(model):
             t.add_(1.0)
     _synchronize(model)
 
@@ -295,23 +305,21 @@ def _wsync_worker(scheme: Any, worker_idx: int, nbytes: int, device: str, go: An
 def _check_exact(model: nn.Module, version: int) -> None:
     """Raise RuntimeError unless the first and last weight of every tensor are what ``version``
     training steps made of them: ``build_model``'s fill plus ``version`` float32 additions of 1."""
-    import numpy
-
-    tensors = list(model.parameters()) + list(model.buffers())
-    want = numpy.array([0.001 * (i + 1) for i in range(len(tensors))], dtype=numpy.float32)
+    tensors = _tensors(model)
+    want = torch.tensor([_fill(i) for i in range(len(tensors))], dtype=torch.float32)
     for _ in range(version):
-        want += numpy.float32(1.0)
+        want.add_(1.0)
     for i, t in enumerate(tensors):
-        got = t.detach().flatten()[[0, -1]].cpu().numpy()
-        if not (got == want[i]).all():
-            raise RuntimeError(f"version {version}: tensor {i} holds {got.tolist()}, expected {float(want[i])}")
+        got = t.detach().flatten()[[0, -1]].cpu()
+        if not torch.equal(got, want[i].expand(2)):
+            raise RuntimeError(f"version {version}: tensor {i} holds {got.tolist()}, expected {want[i].item()}")
 
 
 def _read_all(model: nn.Module) -> float:
     """Seconds to read every byte of the model's weights once (a sum per tensor)."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in _tensors(model):
             t.sum()
     _synchronize(model)
     return time.perf_counter() - t0

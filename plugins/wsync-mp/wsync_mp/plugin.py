@@ -60,7 +60,8 @@ class MpTransport(Transport):
             raise ValueError("mp option authkey must be a non-empty string (or None)")
         if max_slots is not None and (isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 2):
             raise ValueError(f"max_slots must be an int >= 2, got {max_slots!r}")
-        super().__init__(address=address, authkey=authkey, max_slots=max_slots, checksum=flag("mp option checksum", checksum),
+        super().__init__(address=address, authkey=authkey, max_slots=max_slots,
+                         checksum=flag("mp option checksum", checksum),
                          zero_copy=flag("mp option zero_copy", zero_copy, optional=True))
 
     @property

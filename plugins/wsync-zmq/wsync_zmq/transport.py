@@ -137,7 +137,8 @@ class ZmqTransport(Transport):
                 if isinstance(curve_allowed_clients, (str, bytes)):
                     raise TypeError("zmq option curve_allowed_clients must be a list of public keys, not one key")
                 curve_allowed_clients = [_check_key(k, "curve_allowed_clients") for k in curve_allowed_clients]
-        super().__init__(address=address, bind=bind, checksum=flag("zmq option checksum", checksum), heartbeat=float(heartbeat),
+        super().__init__(address=address, bind=bind, checksum=flag("zmq option checksum", checksum),
+                         heartbeat=float(heartbeat),
                          curve_server_key=curve_server_key, curve_server_secret=curve_server_secret,
                          curve_client_key=curve_client_key, curve_client_secret=curve_client_secret,
                          curve_allowed_clients=curve_allowed_clients)
