@@ -43,7 +43,7 @@ def check_targets(two: bench.Report, eight: bench.Report) -> list[dict[str, Any]
     faults to the worker's first read of the weights, so that read is judged too."""
     sizes = sorted({r.nbytes for r in two.rows})
     small, large = sizes[0], sizes[-1]
-    s, lg = bench.format_size(small), bench.format_size(large)
+    lg = bench.format_size(large)
     out = []
 
     def ratio(system: str, nbytes: int, limit: float) -> None:

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import zmq
 
 from raw_zmq import Raw, percentile
 from wsync_core import WeightSyncScheme

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from core_helpers import make_policy
 from wsync_core import StateError, WeightSyncScheme, WorkerTimeoutError

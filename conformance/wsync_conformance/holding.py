@@ -156,10 +156,25 @@ def _scene_receive(s: Any, timeout: float) -> dict[str, Any]:
     return {"result": v, "raised": error, "version": s.scheme.version, "digests": digests(s.model)}
 
 
+def _scene_write(s: Any, how: str) -> dict[str, Any]:
+    """Write the policy between two receives, as worker code does: every floating parameter plus
+    one, in place (``how="in_place"``) or as new memory put under the same Parameter
+    (``how="data_swap"``: ``p.data = ...``, what ``vector_to_parameters`` does)."""
+    with torch.no_grad():
+        for p in s.model.parameters():
+            if p.is_floating_point():
+                if how == "in_place":
+                    p.add_(1)
+                else:
+                    p.data = p.data + 1
+    return {"digests": digests(s.model)}
+
+
 #: name -> function(session, **kwargs) -> JSON-able dict, run in the receiver process
 SCENES: dict[str, Callable[..., dict[str, Any]]] = {
     "hold": _scene_hold, "keep": _scene_keep, "kept": _scene_kept, "fork": _scene_fork, "child": _scene_child,
     "end_children": _scene_end_children, "expand": _scene_expand, "receive": _scene_receive,
+    "write": _scene_write,
 }
 
 

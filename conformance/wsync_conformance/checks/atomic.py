@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from wsync_core import SchemaMismatchError, TransportError
+from wsync_core import SchemaMismatchError
 
 from ..context import Context, Session, classify, raw_receiver
 from ..guarantees import capability, guarantee, violated

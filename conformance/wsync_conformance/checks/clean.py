@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from wsync_core import WorkerTimeoutError
 
 from .. import resources
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
-from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
+from ..models import digests, fill_version, random_values, rich_spec, version_spec
 
 __all__ = ["CleanChecks"]
 

@@ -18,7 +18,7 @@ from wsync_core.weights import flatten
 from .. import profiles
 from ..context import Context, Session, raw_receiver
 from ..guarantees import guarantee, violated
-from ..models import ModelSpec, build, digests, fill_version, random_values, rich_spec, version_spec
+from ..models import ModelSpec, build, digests, random_values, rich_spec, version_spec
 from ..strategies import seeds
 from .base import thorough
 
@@ -114,6 +114,22 @@ class DeltaChecks:
         if sorted(s.scheme.last_report.delta_workers) != [0, 1]:
             raise violated("exact", f"workers at the same version got {s.scheme.last_report.worker_nbytes} bytes, "
                                     f"deltas to {s.scheme.last_report.delta_workers}")
+
+    @guarantee("exact")
+    @pytest.mark.parametrize("how", ["in_place", "data_swap"])
+    def test_delta_after_the_worker_wrote_its_model(self, wsync: Context, how: str) -> None:
+        """A worker writes its policy between two versions (in place, or ``p.data = ...``): the next
+        version, sent as a delta, must not leave what it wrote where the trainer changed nothing:
+        the worker ends exactly at that version (it asks for it in full)."""
+        s = delta_session(wsync, version_spec(side=32), delta=True)
+        touch(s, 31, 0.02)
+        s.send()
+        for seed in (32, 33):
+            written = s.workers[0].scene("write", how=how)["digests"]
+            if written == s.expected[s.scheme.version]:
+                raise AssertionError(f"the write ({how}) changed nothing on worker 0")
+            touch(s, seed, 0.02)
+            s.send()  # checks each worker holds exactly the version sent
 
     @guarantee("exact")
     @thorough()

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from wsync_core import Buffer, Deadline, Layout, TransportError, WorkerTimeoutError
+from wsync_core import Buffer, Deadline, Layout, WorkerTimeoutError
 from wsync_core.protocol import Header
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 from wsync_core.weights import flatten

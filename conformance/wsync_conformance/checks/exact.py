@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from .. import profiles
 from ..context import Context
 from ..guarantees import capability, guarantee
-from ..models import KINDS, ModelSpec, TensorSpec, fill, many_spec, random_values, rich_spec
+from ..models import KINDS, ModelSpec, TensorSpec, many_spec, random_values, rich_spec
 from ..strategies import model_specs, seeds, value_styles
 from .base import thorough
 

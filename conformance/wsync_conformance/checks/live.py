@@ -5,8 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-from wsync_core import StateError, TransportError, WorkerTimeoutError
+from wsync_core import StateError, WorkerTimeoutError
 
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated

@@ -9,7 +9,7 @@ from wsync_core import WeightSyncScheme
 
 from ..context import Context
 from ..guarantees import guarantee, violated
-from ..models import fill, random_values, rich_spec
+from ..models import random_values, rich_spec
 from ..portable import MAX_PICKLE_BYTES, inspect_pickle
 
 __all__ = ["PortableChecks"]

@@ -12,7 +12,7 @@ from wsync_core.protocol import MAX_HEADER_BYTES
 from .. import resources
 from ..context import Context, expect_serving_after_hostile, raw_receiver
 from ..guarantees import guarantee, violated
-from ..models import digests, fill, fill_version, random_values, rich_spec, version_spec
+from ..models import fill_version, random_values, rich_spec, version_spec
 from ..trust import trusted_runtime, untrusted_unpickling
 
 __all__ = ["SafeChecks"]

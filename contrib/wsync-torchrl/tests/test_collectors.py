@@ -21,7 +21,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 
-from torchrl_helpers import Pendulum, flat_bits, make_env, make_policy
+from torchrl_helpers import flat_bits, make_env, make_policy
 from wsync_core import WorkerDiedError
 from wsync_torchrl import WsyncScheme
 

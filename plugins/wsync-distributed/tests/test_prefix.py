@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 from wsync_core import WeightSyncScheme
 from wsync_distributed import wire
 

@@ -32,7 +32,6 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
-import torch
 from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint

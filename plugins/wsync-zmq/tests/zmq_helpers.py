@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 from wsync_conformance.harness import launch
 
 from zmq_worker import digest, make_model
