@@ -168,3 +168,31 @@ def test_a_runner_goes_back_to_the_pool_only_as_it_came(leaves_a_listener: bool,
         if w in harness._pool["spawn"]:
             harness._pool["spawn"].remove(w)
         w.kill()
+
+
+def test_a_runner_of_a_trusted_runtime_keeps_only_the_runtimes_listeners(monkeypatch) -> None:
+    """A transport with a trusted runtime (Ray's processes listen for as long as they live): the
+    runner goes back to the pool listening on what it listened on at its first close, and is
+    killed once it listens on anything more."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    from wsync_broken import RuntimeListens  # a listener more at each session: the first is the "runtime's"
+
+    spec = version_spec()
+    w = harness.Worker(kind="spawn")
+    try:
+        for session, pooled in ((1, True), (2, False)):
+            scheme = WeightSyncScheme(RuntimeListens(), timeout=30.0)
+            scheme.init_on_sender(model=build(spec), num_workers=1)
+            try:
+                w.open(scheme, spec, "cpu", 0)
+                harness.release([w])
+            finally:
+                scheme.shutdown()
+            assert (w in harness._pool["spawn"]) is pooled, f"session {session}"
+            assert w.alive() is pooled, f"session {session}"
+            if pooled:
+                harness._pool["spawn"].remove(w)
+    finally:
+        if w in harness._pool["spawn"]:
+            harness._pool["spawn"].remove(w)
+        w.kill()

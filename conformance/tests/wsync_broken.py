@@ -651,6 +651,11 @@ if TcpTransport is not None:
     BROKEN["ListenerLeft"] = "clean"
     SELECT["ListenerLeft"] = "test_clean_after_shutdown"
     __all__ += ["ListenerLeft"]
+    #: not a tooth (in no table): ListenerLeft declaring a trusted runtime, whose first listener
+    #: the harness's pool takes for the runtime's (test_parts)
+    RuntimeListens = type("RuntimeListens", (ListenerLeft,), {"name": "runtimelistens",
+                                                              "trusted_runtime": ("wsync_broken", "a test's runtime"),
+                                                              "__module__": __name__})
 
     class _AbortsAtExit(_TcpReceiver):
         """Closes, but leaves work that ends its process with SIGABRT at exit (as a native thread

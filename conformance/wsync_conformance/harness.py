@@ -16,7 +16,10 @@ that is configuration, not wire data.
 Every process the harness starts dies with its parent, also when the parent is killed: the
 child asks the kernel for SIGKILL on its parent's death (``prctl(PR_SET_PDEATHSIG)``) and a
 thread watches its parent's pid. Workers are pooled across tests by ``acquire``/``release``:
-a spawned torch process takes seconds to start.
+a spawned torch process takes seconds to start. A runner goes back to the pool only as it came,
+listening on no socket; a runner that used a transport with a trusted runtime (Ray: its
+processes listen for the runtime's own calls from the moment it starts, for as long as they
+live) may keep listening on what it listened on at its first close, the runtime's sockets.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ _STACK_SIGNAL = signal.SIGUSR1
 _audit_events: list[list[str]] = []
 _audit_local = threading.local()
 _audit = {"process": False, "installed": False}
+#: the sockets a trusted runtime listens on in this runner (its listeners at the first close
+#: after a transport that declares one was opened here), or None
+_runtime_listeners: set[str] | None = None
+_runtime_used = False
 
 
 def _audit_hook(event: str, args: tuple) -> None:
@@ -109,6 +116,7 @@ class _Session:
         from .models import ModelSpec, build
 
         self.scheme = pickle.loads(base64.b64decode(msg["scheme"]))  # trusted: from the parent, as config
+        _uses_transport(self.scheme._transport)
         self.spec = ModelSpec.from_json(msg["spec"])
         self.model = build(self.spec, msg["device"])
         self.worker_idx = msg["worker_idx"]
@@ -160,6 +168,25 @@ class _Session:
         return out
 
 
+def _uses_transport(transport: Any) -> None:
+    """Note that ``transport`` was opened in this runner (see ``_listening_beyond_runtime``)."""
+    global _runtime_used
+    from .trust import trusted_runtime
+
+    _runtime_used = _runtime_used or trusted_runtime(type(transport)) is not None
+
+
+def _listening_beyond_runtime() -> list[str]:
+    """The sockets this runner listens on, less a trusted runtime's (see the module's docstring)."""
+    global _runtime_listeners
+    from . import resources
+
+    listening = resources.listening_sockets()
+    if _runtime_used and _runtime_listeners is None:
+        _runtime_listeners = set(listening)
+    return [sock for sock in listening if sock not in (_runtime_listeners or ())]
+
+
 def _storage(t) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
     """Where a tensor's bytes are: storage address, offset, shape and strides."""
     if t.numel() == 0:
@@ -178,6 +205,7 @@ class _Endpoint:
         from .models import ModelSpec, build
 
         transport = pickle.loads(base64.b64decode(msg["transport"]))  # trusted: from the parent, as config
+        _uses_transport(transport)
         spec = ModelSpec.from_json(msg["spec"])
         layout = Layout.of(flatten(build(spec, msg["device"])))
         self.endpoint = transport.receiver(ReceiverContext(msg["worker_idx"], layout, msg.get("model_id") or "policy",
@@ -450,8 +478,7 @@ def serve(conn, process: bool) -> None:
                 if session is not None:
                     session.scheme.shutdown()
                 session = None
-                # a runner process goes back to the pool only as it came: listening on nothing
-                reply = {"closed": True, "listening": resources.listening_sockets() if process else []}
+                reply = {"closed": True, "listening": _listening_beyond_runtime() if process else []}
             elif cmd == "exit":
                 _audit["process"] = False
                 if msg.get("abrupt"):
