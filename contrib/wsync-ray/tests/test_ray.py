@@ -182,3 +182,15 @@ def test_mailbox_runs_on_the_senders_node(cluster, ray_head) -> None:
             for s in senders:
                 s.close()
         assert placed == [here] * 8, f"mailboxes on {placed}, the sender on {here}"
+
+
+@pytest.mark.parametrize("options,refusal", [
+    ({"direct_acks": "no"}, "ray option direct_acks must be True or False, got 'no'"),
+    ({"zero_copy": 1}, "ray option zero_copy must be True, False or None, got 1"),
+    ({"checksum": "yes"}, "ray option checksum must be True or False, got 'yes'"),
+])
+def test_a_flag_that_is_not_true_or_false_is_refused_by_name(options: dict, refusal: str) -> None:
+    """Flags take True or False (zero_copy None too), as every transport's: ValueError naming them."""
+    with pytest.raises(ValueError) as info:
+        WeightSyncScheme("ray", **options)
+    assert str(info.value) == refusal

@@ -70,12 +70,10 @@ class RayTransport(Transport):
         channel = f"wsync-{uuid.uuid4().hex}" if channel is None else _name(channel, "channel")
         if address is not None:
             address = _name(address, "address")
-        if zero_copy is not None and not isinstance(zero_copy, bool):
-            raise TypeError(f"ray option zero_copy must be True, False or None, got {zero_copy!r}")
-        if not isinstance(direct_acks, bool):
-            raise TypeError(f"ray option direct_acks must be True or False, got {direct_acks!r}")
         super().__init__(channel=channel, namespace=_name(namespace, "namespace"), address=address,
-                         checksum=flag("ray option checksum", checksum), zero_copy=zero_copy, direct_acks=direct_acks)
+                         checksum=flag("ray option checksum", checksum),
+                         zero_copy=flag("ray option zero_copy", zero_copy, optional=True),
+                         direct_acks=flag("ray option direct_acks", direct_acks))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         from .endpoints import RaySender
