@@ -116,7 +116,7 @@ class _Session:
         from .models import ModelSpec, build
 
         self.scheme = pickle.loads(base64.b64decode(msg["scheme"]))  # trusted: from the parent, as config
-        _uses_transport(self.scheme._transport)
+        _uses_transport(self.scheme.transport)
         self.spec = ModelSpec.from_json(msg["spec"])
         self.model = build(self.spec, msg["device"])
         self.worker_idx = msg["worker_idx"]
