@@ -45,7 +45,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -301,23 +301,26 @@ class _Loop:
         except (KeyError, ValueError):
             pass
 
-    def _read(self, conn: _Conn) -> list[Frame]:
-        frames, budget = [], _READ_BUDGET
+    def _read(self, conn: _Conn) -> Iterator[Frame]:
+        """The frames waiting on ``conn``, each yielded as soon as it is read: the caller handles
+        one before the next is parsed (a hello changes which kinds may follow it in the same read),
+        and stops reading by dropping the connection. Raises EOFError at the end of the stream,
+        unless a frame came before it (an ack just before a goodbye is not lost: the next read
+        meets the end again)."""
+        budget, yielded = _READ_BUDGET, False
         try:
-            while budget > 0:
+            while budget > 0 and conn.stream is not None:
                 n, got = conn.reader.read(lambda view: self.read_into(conn.stream, view))
                 budget -= n
                 conn.seen = time.monotonic()
                 if got is not None:
-                    frames.append(got)
+                    yielded = True
+                    yield got
         except (BlockingIOError, InterruptedError):
-            pass
+            return
         except EOFError:
-            if not frames:
+            if not yielded:
                 raise
-            # the frames before the end first (an ack just before a goodbye is not lost); the
-            # next read meets the end again
-        return frames
 
     def _flush(self, conn: _Conn, watch: bool = True) -> None:
         """Write what the stream takes now, up to a budget (raises OSError for a broken one); with
@@ -507,11 +510,11 @@ class StreamSender(_Loop, SenderBase):
             if mask & selectors.EVENT_READ:
                 for f in self._read(conn):
                     self._frame(conn, f)
-                    if conn.stream is None:
-                        return
-            self._flush(conn)
+            if conn.stream is not None:
+                self._flush(conn)
 
-        self._guard(conn, step)
+        if conn.stream is not None:  # not dropped earlier in this round (replaced, or a stranger too many)
+            self._guard(conn, step)
 
     def _frame(self, conn: _Conn, f: Frame) -> None:
         if f.kind == Kind.RESPONSE:
@@ -539,8 +542,11 @@ class StreamSender(_Loop, SenderBase):
             return
         self.strangers.remove(conn)
         old = self.conns.pop(worker, None)
-        if old is not None:  # a reconnection: the new connection wins (no Left: it is not in conns)
-            self._drop(old, f"worker {worker} connected again")
+        if old is not None:  # a reconnection: the new connection wins (no Left: it is not in conns);
+            # told why, the old one stops for good instead of connecting again and taking it back
+            self._drop(old, f"another connection said hello as worker {worker} and took its place (a process "
+                            f"started again under the same worker_idx while this one runs?); this one gets no "
+                            f"more versions and keeps the one it holds", tell=True)
         conn.stage, conn.worker, conn.fits = "worker", worker, nbytes == self.ctx.layout.nbytes
         conn.reader.accept = frozenset({Kind.ACK, Kind.BYE, Kind.PING, Kind.PROBE})
         self.conns[worker] = conn
@@ -587,11 +593,14 @@ class StreamSender(_Loop, SenderBase):
         if conn.pending is not None:
             self._enqueue(conn)
 
-    def _drop(self, conn: _Conn, reason: str) -> None:
+    def _drop(self, conn: _Conn, reason: str, tell: bool = False) -> None:
+        """Close ``conn``, giving back what it held; a peer that never joined, or one ``tell`` names,
+        is told ``reason`` (best effort, never cutting into a half-written frame)."""
         if conn.stream is None:
             return
-        if conn in self.strangers:  # tell a peer that never joined why (best effort)
-            self.strangers.remove(conn)
+        if conn in self.strangers or tell:
+            if conn in self.strangers:
+                self.strangers.remove(conn)
             if not conn.out:
                 try:
                     self.write(conn.stream, memoryview(frame(Kind.BYE, reason.encode()[:MAX_REASON_BYTES])))

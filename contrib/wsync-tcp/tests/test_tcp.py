@@ -265,3 +265,118 @@ def test_a_killed_worker_is_left_at_once_even_if_a_forked_child_lives_on(sender,
         assert info.value.workers == [0] and time.monotonic() - t0 < 45
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def read_frame(sock: socket.socket, timeout: float = 30.0) -> tuple[int, int, bytes]:
+    """The next frame other than a ping on ``sock``: (kind, a, body); raises EOFError if it closes first."""
+    sock.settimeout(timeout)
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError("closed")
+            data += chunk
+        return data
+
+    while True:
+        _, kind, a, _ = PREFIX.unpack(exactly(PREFIX.size))
+        if kind != Kind.PING:
+            return kind, a, exactly(a) if kind in (Kind.BYE, Kind.ACK) else b""
+
+
+def test_frames_right_behind_a_hello_are_taken_as_the_worker_s() -> None:
+    """A worker that reconnects while a version waits sends its hello, then a probe (or an ack)
+    right behind it: one read takes them all, and the sender handles each in turn, never as out of turn."""
+    transport = TcpTransport(heartbeat=30.0)
+    endpoint = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        with socket.create_connection((transport.options["host"], transport.options["port"])) as peer:
+            peer.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes) + prefix(Kind.PROBE, 5) + prefix(Kind.ACK, 2) + b"{}")
+            got = events_until(endpoint, lambda e: len(e) >= 2)
+            assert got[0] == Joined(0) and not any(isinstance(e, Left) for e in got), got
+            assert read_frame(peer)[:2] == (Kind.ANSWER, 5)  # the probe was answered, the worker kept
+    finally:
+        endpoint.close()
+
+
+def test_a_stranger_dropped_in_the_round_it_is_readable_leaves_the_sender_serving(sender, spawn) -> None:
+    """A local peer holds as many connections as the sender keeps without a hello, then opens one
+    more (the oldest is dropped) while the oldest has bytes waiting, both seen in one select: the
+    sender serves what is left, never the dropped one, and its worker keeps getting versions."""
+    from wsync_core.stream import _MAX_STRANGERS
+
+    scheme, model = sender(1, authkey="s3cret")
+    options = scheme.transport.options
+    worker = spawn(0, options)
+    scheme.connect()
+    worker.wait_version(0)
+    endpoint = scheme._role.endpoint  # its I/O thread is held between two selects below
+    address = (options["host"], options["port"])
+    strangers = [socket.create_connection(address) for _ in range(_MAX_STRANGERS)]
+    try:
+        deadline = Deadline(30)
+        while len(endpoint.strangers) < _MAX_STRANGERS and not deadline.expired():
+            time.sleep(0.01)
+        assert len(endpoint.strangers) == _MAX_STRANGERS
+        with endpoint.cond:  # the I/O thread wakes, then waits here: both events land in its next select
+            endpoint._kick()
+            time.sleep(0.2)
+            strangers.append(socket.create_connection(address))  # ready first: served first, drops the oldest
+            strangers[0].sendall(b"w")
+            time.sleep(0.2)
+        for v in (1, 2):
+            bump(model)
+            assert scheme.send(timeout=30.0) == v
+            assert worker.wait_version(v)["v"] == v
+        assert endpoint.failure is None
+    finally:
+        for s in strangers:
+            s.close()
+
+
+def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> None:
+    """Newest hello wins (a worker restarted while its old connection lingers), and the old
+    connection is told why: a receiver still reading it stops for good (its receive() raises) instead
+    of connecting again and taking the index back, over and over."""
+    transport = TcpTransport(heartbeat=30.0)
+    endpoint = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        address = (transport.options["host"], transport.options["port"])
+        with socket.create_connection(address) as old, socket.create_connection(address) as new:
+            old.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
+            assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
+            new.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
+            assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
+            kind, _, reason = read_frame(old)
+            assert kind == Kind.BYE and b"took its place" in reason, reason
+    finally:
+        endpoint.close()
+    model = make_model(0)
+    scheme = WeightSyncScheme("tcp", timeout=30.0)
+    scheme.init_on_sender(model=model, num_workers=1)
+    receivers = [WeightSyncScheme(scheme.transport, timeout=30.0) for _ in range(2)]
+    try:
+        first, second = receivers
+        first.init_on_receiver(model=make_model(7), worker_idx=0)
+        connecting = threading.Thread(target=first.connect)
+        connecting.start()
+        scheme.connect()
+        connecting.join()
+        held = make_model(8)
+        second.init_on_receiver(model=held, worker_idx=0)
+        second.connect()
+        bump(model)
+        handle = scheme.send_async()
+        assert second.receive(timeout=30.0) == 1 and handle.wait() == 1
+        with pytest.raises(TransportError, match="took its place"):
+            first.receive(timeout=30.0)
+        bump(model)
+        handle = scheme.send_async()
+        assert second.receive(timeout=30.0) == 2 and handle.wait() == 2  # the index stays the new one's
+    finally:
+        for s in (*receivers, scheme):
+            s.shutdown()
