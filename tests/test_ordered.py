@@ -147,3 +147,29 @@ def test_bad_arguments_change_nothing():
         WeightSyncScheme("inproc", timeout=-1)
     with pytest.raises(ValueError, match="strategy"):
         WeightSyncScheme("inproc", strategy="pickle")
+
+
+@pytest.mark.parametrize("timeout", ["1", True, None])
+def test_a_timeout_that_is_not_a_number_is_refused_by_name(timeout) -> None:
+    """A string or a bool is not a number of seconds (True would read as 1 s): TypeError naming
+    the timeout, at construction and on each call that takes one; the scheme keeps working."""
+    if timeout is not None:  # (None on a call means "the scheme's timeout")
+        s = WeightSyncScheme("inproc", timeout=5.0)
+        s.init_on_sender(model=make_policy(), num_workers=1)
+        r = pickle.loads(pickle.dumps(s))
+        r.init_on_receiver(model=make_policy(), worker_idx=0)
+        connecting = threading.Thread(target=r.connect)
+        connecting.start()
+        s.connect()
+        connecting.join()
+        try:
+            for call in (lambda: s.send(timeout=timeout), lambda: r.receive(timeout=timeout)):
+                with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+                    call()
+            handle = s.send_async()
+            assert r.receive(timeout=5.0) == 1 and handle.wait() == 1
+        finally:
+            r.shutdown()
+            s.shutdown()
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        WeightSyncScheme("inproc", timeout=timeout)

@@ -16,6 +16,7 @@ from torch import nn
 from core_helpers import bump, connected_pair, make_policy, same
 from wsync_core import (
     SchemaMismatchError,
+    StateError,
     TransportError,
     WeightSyncScheme,
     WorkerTimeoutError,
@@ -505,3 +506,42 @@ def test_a_flag_that_is_not_true_or_false_is_refused_by_name(transport: str, opt
     (name, value), = options.items()
     with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
         WeightSyncScheme(transport, **options)
+
+
+@pytest.mark.parametrize("make,kind", [
+    (lambda: torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse(), "a torch.sparse_coo tensor"),
+    (lambda: torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr(), "a torch.sparse_csr tensor"),
+    (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "a nested tensor"),
+    (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged), "a nested tensor"),
+])
+def test_a_sparse_or_nested_tensor_is_refused_at_init_by_name(make, kind: str) -> None:
+    """wsync carries dense tensors: a sparse or nested one is refused at init on either side,
+    naming it (not a torch error from deep inside connect())."""
+    for init in (lambda s, w: s.init_on_sender(weights=w, num_workers=1),
+                 lambda s, w: s.init_on_receiver(model=w, worker_idx=0)):
+        scheme = WeightSyncScheme("inproc")
+        with pytest.raises(TypeError, match=f"weight 'a' is {kind}, which wsync cannot carry"):
+            init(scheme, {"a": make(), "b": torch.ones(2)})
+        assert scheme.state == "new"
+
+
+def test_connect_on_a_new_scheme_says_what_to_call_first() -> None:
+    with pytest.raises(StateError) as info:
+        WeightSyncScheme("inproc").connect()
+    assert str(info.value).endswith("call init_on_sender() (the trainer) or init_on_receiver() (a worker) first")
+
+
+def test_version_after_shutdown_is_the_one_the_model_keeps() -> None:
+    s = WeightSyncScheme("inproc", timeout=5.0)
+    s.init_on_sender(model=torch.nn.Linear(2, 2), num_workers=1)
+    r = pickle.loads(pickle.dumps(s))
+    r.init_on_receiver(model=torch.nn.Linear(2, 2), worker_idx=0)
+    connecting = threading.Thread(target=r.connect)
+    connecting.start()
+    s.connect()
+    connecting.join()
+    handle = s.send_async()
+    assert r.receive(timeout=5.0) == 1 and handle.wait() == 1
+    r.shutdown()
+    s.shutdown()
+    assert (s.version, r.version) == (1, 1) and s.state == r.state == "shut down"

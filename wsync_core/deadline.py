@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 
@@ -12,13 +13,16 @@ __all__ = ["Deadline", "POLL", "Wakeup"]
 class Deadline:
     """A point in time on the monotonic clock; ``timeout=math.inf`` never expires.
 
-    Raises ValueError for a negative or NaN timeout.
+    Raises TypeError for a timeout that is not a number (a bool, a string), ValueError for a
+    negative or NaN one.
     """
 
     __slots__ = ("timeout", "_end")
 
     def __init__(self, timeout: float) -> None:
-        if timeout is None or not timeout >= 0:  # (NaN compares False)
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number of seconds >= 0 (math.inf to wait forever), got {timeout!r}")
+        if not timeout >= 0:  # (NaN compares False)
             raise ValueError(f"timeout must be a number >= 0 (math.inf to wait forever), got {timeout!r}")
         self.timeout = float(timeout)
         self._end = time.monotonic() + self.timeout

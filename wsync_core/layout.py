@@ -93,13 +93,18 @@ class Layout:
     # -- building -------------------------------------------------------------------------
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> Layout:
-        """The layout of ``tensors`` (key -> tensor). Raises TypeError for an unsupported dtype."""
+        """The layout of ``tensors`` (key -> tensor). Raises TypeError for an unsupported dtype, a
+        sparse or nested tensor."""
         entries: list[Entry] = []
         offset = 0
         for key in sorted(tensors):
             t = tensors[key]
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"weight {key!r} is a {type(t).__name__}, expected a torch.Tensor")
+            if t.is_nested or t.layout is not torch.strided:
+                kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+                raise TypeError(f"weight {key!r} is {kind}, which wsync cannot carry: it carries dense "
+                                f"(strided) tensors; convert it (e.g. .to_dense()) or keep it out of the weights")
             name = _NAMES.get(t.dtype)
             if name is None:
                 raise TypeError(

@@ -103,6 +103,7 @@ class WeightSyncScheme:
         self._state = _State.NEW
         self._role: Sender | Receiver | None = None
         self._finalizer: weakref.finalize | None = None
+        self._last_version = -1  # the role's, once shut down
 
     def __getstate__(self) -> dict[str, Any]:
         return {"transport": self._transport, "config": dict(self._config)}
@@ -134,11 +135,9 @@ class WeightSyncScheme:
 
     @property
     def version(self) -> int:
-        """Sender: the last version sent (0 after connect). Receiver: the last version applied.
-
-        -1 before connect.
-        """
-        return self._role.version if self._role is not None else -1
+        """Sender: the last version sent (0 after connect). Receiver: the last version applied
+        (the one its model keeps after ``shutdown()``). -1 before connect."""
+        return self._role.version if self._role is not None else self._last_version
 
     @property
     def delta(self) -> bool | str:
@@ -209,7 +208,10 @@ class WeightSyncScheme:
             hint = "this scheme is a sender; receivers call init_on_receiver() on their own copy"
         if hint is None and self._state in (_State.RECEIVER, _State.RECEIVER_CONNECTED):
             hint = "this scheme is a receiver"
-        raise StateError(f"{call}() needs {need}, but this scheme is {self._state.value}; {hint}")
+        if hint is None and self._state is _State.NEW:
+            hint = "call init_on_sender() (the trainer) or init_on_receiver() (a worker) first"
+        raise StateError(f"{call}() needs {need}, but this scheme is {self._state.value}"
+                         + (f"; {hint}" if hint else ""))
 
     def _opened(self) -> None:
         """Once the role's endpoint is open: close it when this scheme is collected unshut."""
@@ -411,6 +413,7 @@ class WeightSyncScheme:
                     self._finalizer()
                 else:
                     role.endpoint.close()
+                self._last_version = role.version
             self._role = None
             self._state = _State.CLOSED
 

@@ -331,7 +331,7 @@ class _Receiver(ReceiverEndpoint):
 
 
 class FilesTransport(Transport):
-    """Weights through files in ``directory``, a folder every side can reach; CRC32-checked by default."""
+    """Weights through files in ``directory``, a folder every side can reach; XXH3-64-checked by default."""
 
     name = "files"
     interface = 2

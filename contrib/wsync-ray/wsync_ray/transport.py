@@ -50,7 +50,7 @@ class RayTransport(Transport):
     carried when it is pickled), ``namespace`` (the Ray namespace of that name, default
     ``"wsync"``), ``address`` (the cluster a process not yet connected to Ray joins with
     ``ray.init(address=...)``; default ``"auto"``, the cluster started on this machine) and
-    ``checksum`` (CRC32 of every payload, default False: Ray's object store and transfers keep
+    ``checksum`` (XXH3-64 checksums of every payload, default False: Ray's object store and transfers keep
     bytes intact), ``zero_copy`` (receivers map the payload copy-on-write and the core adopts
     it instead of copying: True, False, or None for CPU models of 1 MiB and more; it needs a
     process allowed to open ``/proc/self/map_files``, else the receiver copies) and

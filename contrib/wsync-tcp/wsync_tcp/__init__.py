@@ -65,7 +65,7 @@ class TcpTransport(Transport):
     (default: a port free on ``host`` now, so pickled copies meet there; a worker started on its
     own needs it explicitly), ``advertise`` (the address workers connect to; default ``host``),
     ``authkey`` (a shared secret: every peer must prove it holds it), ``heartbeat`` (seconds of
-    silence before a peer counts as gone; default 10), ``checksum`` (CRC32 of every payload,
+    silence before a peer counts as gone; default 10), ``checksum`` (XXH3-64 checksums of every payload,
     default True).
     """
 

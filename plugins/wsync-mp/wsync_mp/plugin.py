@@ -27,7 +27,7 @@ class MpTransport(Transport):
       anything else is exchanged. Default with an explicit ``address``: none (empty key).
     - ``max_slots``: payload buffers the sender may create (default ``2 * num_workers + 2``;
       two are used unless workers stall).
-    - ``checksum``: have the core add and check a CRC32 of every payload (default False).
+    - ``checksum``: have the core add and check XXH3-64 checksums of every payload (default False).
     - ``zero_copy``: a worker's tensors become private copy-on-write maps of the slot instead of
       copies; the slot stays the worker's until it moves on. False copies into the tensors the
       model already has; None (default) maps models of 1 MiB and more and copies smaller ones.
