@@ -638,6 +638,13 @@ if TcpTransport is not None:
                   KeyIgnored="test_capability_auth and not secrets")
     __all__ += ["ShowsSecret", "UnnamedSecret", "KeyIgnored"]
 
+    class _SilentTakeover(_TcpSender):
+        """Newest hello wins, but the connection it replaces is closed without a word: the receiver
+        still reading it connects again and takes the index back, over and over."""
+
+        def _drop(self, conn, reason: str, tell: bool = False) -> None:
+            super()._drop(conn, reason)
+
     HoardingSender = _tcp("HoardingSender", sender=_HoardingSender)
     HangsWhenSenderDies = _tcp("HangsWhenSenderDies", receiver=_HangsWhenSenderDies)
     NoReconnect = _tcp("NoReconnect", receiver=_NoReconnect, heartbeat=1.0)
@@ -646,6 +653,11 @@ if TcpTransport is not None:
                   HangsWhenSenderDies="test_faults_sender_killed",
                   NoReconnect="test_faults_link_cut")
     __all__ += ["HoardingSender", "HangsWhenSenderDies", "NoReconnect"]
+
+    SilentTakeover = _tcp("SilentTakeover", sender=_SilentTakeover)
+    BROKEN["SilentTakeover"] = "live"
+    SELECT["SilentTakeover"] = "test_live_two_receivers_claim_one_index"
+    __all__ += ["SilentTakeover"]
 
     ListenerLeft = _tcp("ListenerLeft", receiver=_LeavesListener)
     BROKEN["ListenerLeft"] = "clean"

@@ -171,3 +171,59 @@ class LiveChecks:
         except WorkerTimeoutError as exc:
             raise violated("live", f"after three large payloads, a send to every worker timed out for {exc.workers}: "
                                    f"was the silent worker dropped?") from exc
+
+    @guarantee("live")
+    def test_live_two_receivers_claim_one_index(self, wsync: Context) -> None:
+        """A second receiver claims the index of a connected one (a worker started twice, or again
+        while the first still runs): one of them holds the index and gets every version, and the
+        other is told, its connect() or receive() raising within the timeout; sends go on, never
+        stuck between the two (each taking the index back from the other, over and over)."""
+        s = wsync.session(version_spec(), n=1)
+        first, second = s.workers[0], wsync.workers(1)[0]
+        second.open(s.scheme, s.spec, wsync.device, 0)
+        joined = second.call("connect", timeout=wsync.short_timeout)
+        claims = [first] if joined.error else [first, second]
+        for v in (1, 2, 3):
+            fill_version(s.model, v)
+            expected = digests(s.model)
+            for w in claims:
+                w.follow()
+            try:
+                got = s.scheme.send(timeout=wsync.timeout)
+            except WorkerTimeoutError as exc:
+                raise violated("live", f"with two receivers claiming worker 0, version {v} reached neither "
+                                       f"within {wsync.timeout} s: {exc}") from None
+            finally:
+                reports = [w.stop() for w in claims]
+            s.expected[got] = expected
+        told = [not r.get("applied") and bool(r.get("errors")) for r in reports]
+        holding = [w.snapshot() for w in claims]
+        held = [h["version"] == 3 and h["digests"] == s.expected[3] for h in holding]
+        if len(claims) == 1:
+            if not held[0]:
+                raise violated("live", f"the second receiver was refused ({joined.error}), but the first does "
+                                       f"not hold version 3 (it holds {holding[0]['version']})")
+            return
+        told = [t and all(e["error"] == "TransportError" for e in r["errors"]) for t, r in zip(told, reports)]
+        if sorted(held) != [False, True] or sorted(told) != [False, True] or held.index(True) == told.index(True):
+            what = [f"{name}: applied {r.get('applied')}, holds {h['version']}, "
+                    f"errors {[e['error'] + ': ' + e['message'][:100] for e in r.get('errors', [])[:1]]}"
+                    for name, r, h in zip(("first", "second"), reports, holding)]
+            raise violated("live", "two receivers claimed worker 0: one must hold it and get every version, the "
+                                   "other be told (its receive() raising TransportError); got " + "; ".join(what))
+        # the one told shuts down (its process ends): the one holding the index keeps it
+        claims[told.index(True)].call("shutdown").raise_for_error("the replaced receiver's shutdown()")
+        holder = claims[held.index(True)]
+        fill_version(s.model, 4)
+        s.expected[4] = digests(s.model)
+        holder.follow()
+        try:
+            s.scheme.send(timeout=wsync.timeout)
+        except WorkerTimeoutError as exc:
+            raise violated("live", f"once the receiver that lost worker 0's index shut down, the one holding it "
+                                   f"did not get version 4: {exc}") from None
+        finally:
+            holder.stop()
+        if holder.snapshot()["digests"] != s.expected[4]:
+            raise violated("live", "once the receiver that lost worker 0's index shut down, the one holding it "
+                                   "does not hold version 4")

@@ -97,7 +97,8 @@ class DistributedReceiver(ReceiverBase):
     def ack(self, data: bytes) -> None:
         self.check_open()
         try:
-            self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker, bytes(data)))
+            self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker,
+                                                                 wire.from_inbox(self.inbox, bytes(data))))
         except RuntimeError as exc:
             raise TransportError(f"{self.what}: cannot reach the sender's store at "
                                  f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
@@ -131,7 +132,8 @@ class DistributedReceiver(ReceiverBase):
         store = self.store
         if store is not None and not self.bye:  # after "bye" the store is gone (its client would log errors)
             try:
-                store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker, b"receiver shut down"))
+                store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker,
+                                                                wire.from_inbox(self.inbox, b"receiver shut down")))
                 store.queue_push(wire.inbox_key(self.inbox), wire.encode_control(wire.Control(kind="stop")))
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
                 log.debug("%s: goodbye failed: %s", self.what, wire.brief(exc))
@@ -278,6 +280,12 @@ class DistributedReceiver(ReceiverBase):
                 return
             if ctl.kind == "stop":
                 continue
+            if ctl.kind == "replaced":  # no more heartbeats: the index is the other receiver's
+                self.stopped.set()
+                self.fail(f"{self.what}: another receiver joined the sender as worker {self.worker} and took its "
+                          f"place (a process started again under the same worker_idx while this one runs?); this "
+                          f"one gets no more versions and keeps the one it holds")
+                return
             if ctl.kind == "evict":
                 self.evicted = self.inbox
             elif ctl.kind == "commit":

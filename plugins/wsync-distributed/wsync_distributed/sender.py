@@ -287,10 +287,16 @@ class DistributedSender(SenderBase):
 
     # -- membership ------------------------------------------------------------------------
     def _join(self, w: int, inbox: str, nbytes: int) -> None:
-        """Worker ``w`` (re)joined under ``inbox``: a fresh lane and link replace any old one (caller holds ``cond``)."""
+        """Worker ``w`` (re)joined under ``inbox``: a fresh lane and link replace any old one, whose
+        inbox is told it was replaced (a receiver still reading it stops; one that joined again
+        reads it no more) (caller holds ``cond``)."""
         old = self.lanes.pop(w, None)
         if old is not None:
             self._retire(old)
+            try:  # the store is this process's: the call does not wait on the worker
+                self.store.queue_push(wire.inbox_key(old.inbox), wire.encode_control(wire.Control(kind="replaced")))
+            except (RuntimeError, OSError) as exc:
+                log.debug("distributed sender: could not tell worker %d's old inbox: %s", w, wire.brief(exc))
         self.links += 1
         lane = _Lane(w, inbox, nbytes, link=f"{self.links}")
         lane.thread = threading.Thread(target=self._run_lane, args=(lane,), name=f"wsync-distributed-lane-{w}",
@@ -399,17 +405,17 @@ class DistributedSender(SenderBase):
             with self.cond:
                 if not self.closing:
                     self._join(w, inbox, nbytes)
-        elif kind == wire.ACK:
+        elif kind in (wire.ACK, wire.LEAVE):
+            inbox, data = wire.split_inbox(data)
             with self.cond:
                 lane = self.lanes.get(w)
+                if lane is not None and lane.inbox != inbox:  # from a receiver another one replaced
+                    lane = None
                 if lane is not None:  # an ack is a sign of life, as a heartbeat is (whose link may be slower to recover)
                     lane.seen = time.monotonic()
-            if lane is not None:
+            if lane is not None and kind == wire.ACK:
                 self.emit(Acked(w, data))
-        elif kind == wire.LEAVE:
-            with self.cond:
-                lane = self.lanes.get(w)
-            if lane is not None:
+            elif lane is not None:
                 self._lose(lane, data.decode("utf-8", "replace")[:200] or "receiver shut down", None)
 
     # -- a lane ----------------------------------------------------------------------------

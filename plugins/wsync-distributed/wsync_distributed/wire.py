@@ -16,7 +16,9 @@ control messages onto each receiver's inbox queue, which the receiver handles in
 - ``abort`` (``seq``): drop the bytes of ``seq`` (the sender's core abandoned that snapshot);
 - ``evict`` (the sender gave this receiver up: its link failed or its heartbeat went silent; the
   receiver joins again under a new inbox, so it gets the newest version once it is reachable);
-- ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down).
+- ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down);
+- ``replaced`` (another receiver joined under this one's worker index and took its place: this
+  one stops for good, instead of joining again and taking the index back).
 
 Each receiver bumps its heartbeat counter in the store; the sender also sets an ``evict`` key for
 an inbox it gave up, which the receiver's heartbeat thread reads (its receive thread may be stuck
@@ -51,14 +53,14 @@ from .config import Config
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
-    "inbox_key", "heartbeat_key", "evict_key", "published_key", "encode_event", "decode_event", "encode_control", "decode_control",
+    "inbox_key", "heartbeat_key", "evict_key", "published_key", "encode_event", "decode_event", "from_inbox", "split_inbox", "encode_control", "decode_control",
     "POP_TIMEOUT", "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
     "spans",
 ]
 
 EVENTS = "events"
 JOIN, ACK, LEAVE, STOP = b"J", b"A", b"L", b"S"
-MAX_EVENT_BYTES = 5 + MAX_ACK_BYTES
+MAX_EVENT_BYTES = 5 + 65 + MAX_ACK_BYTES  # (an ack: the inbox, a space, the core's ack)
 #: the store refuses values much above 8 MiB, so headers (layouts of huge models) are capped here
 MAX_CONTROL_BYTES = 8 * 1024 * 1024
 MAX_HEADER = MAX_CONTROL_BYTES - 4 - 64 * 1024
@@ -94,6 +96,20 @@ def encode_event(kind: bytes, worker: int, data: bytes = b"") -> bytes:
     return kind + struct.pack(">I", worker) + data
 
 
+def from_inbox(inbox: str, data: bytes) -> bytes:
+    """An ack's or a goodbye's data, naming the inbox it comes from: the sender takes it only from
+    the receiver that holds the worker index now (not one another receiver took it from)."""
+    return inbox.encode() + b" " + data
+
+
+def split_inbox(data: bytes) -> tuple[str, bytes]:
+    """(inbox, data) of what ``from_inbox`` made; raises TransportError if it names no inbox."""
+    inbox, space, rest = data.partition(b" ")
+    if not space or not 0 < len(inbox) <= 64 or not inbox.isalnum():
+        raise TransportError(f"an event that names no inbox: {data[:80]!r}")
+    return inbox.decode(), rest
+
+
 def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
     """(kind, worker, data) of an event; raises TransportError if it is malformed or too large."""
     if not isinstance(raw, bytes) or not 5 <= len(raw) <= MAX_EVENT_BYTES:
@@ -106,7 +122,7 @@ def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
 
 
 #: the kinds of control message (see the module's docstring)
-KINDS = ("data", "commit", "abort", "evict", "stop", "bye")
+KINDS = ("data", "commit", "abort", "evict", "stop", "bye", "replaced")
 
 
 @dataclass(frozen=True)
