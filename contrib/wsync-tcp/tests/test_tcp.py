@@ -3,11 +3,14 @@ sockets and worker processes throughout."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +68,18 @@ def sender():
     yield make
     for scheme in made:
         scheme.shutdown()
+
+
+@contextlib.contextmanager
+def raw_sender(num_workers: int, heartbeat: float) -> Iterator[tuple[Any, tuple[str, int]]]:
+    """A tcp sender endpoint (no scheme: raw sockets play its workers), open, and its address."""
+    transport = TcpTransport(heartbeat=heartbeat)
+    endpoint = transport.sender(SenderContext(num_workers, LAYOUT, "policy", torch.device("cpu")))
+    endpoint.open(Deadline(10))
+    try:
+        yield endpoint, (transport.options["host"], transport.options["port"])
+    finally:
+        endpoint.close()
 
 
 def test_options_are_checked_and_the_secret_hidden() -> None:
@@ -148,11 +163,7 @@ def test_sender_survives_hostile_peers_and_keeps_serving(sender, spawn) -> None:
 
 
 def test_a_worker_that_breaks_the_protocol_is_dropped_as_left() -> None:
-    transport = TcpTransport(heartbeat=5.0)
-    endpoint = transport.sender(SenderContext(2, LAYOUT, "policy", torch.device("cpu")))
-    endpoint.open(Deadline(10))
-    try:
-        address = (transport.options["host"], transport.options["port"])
+    with raw_sender(2, heartbeat=5.0) as (endpoint, address):
         with socket.create_connection(address) as one, socket.create_connection(address) as two:
             one.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
             two.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
@@ -170,8 +181,6 @@ def test_a_worker_that_breaks_the_protocol_is_dropped_as_left() -> None:
                 got = events_until(endpoint, lambda e: any(isinstance(x, Joined) for x in e))
                 assert Joined(1) in got
                 assert closed_by_peer(two)
-    finally:
-        endpoint.close()
     with pytest.raises(TransportError, match="closed"):
         endpoint.poll(Deadline(0))
 
@@ -289,17 +298,11 @@ def read_frame(sock: socket.socket, timeout: float = 30.0) -> tuple[int, int, by
 def test_frames_right_behind_a_hello_are_taken_as_the_worker_s() -> None:
     """A worker that reconnects while a version waits sends its hello, then a probe (or an ack)
     right behind it: one read takes them all, and the sender handles each in turn, never as out of turn."""
-    transport = TcpTransport(heartbeat=30.0)
-    endpoint = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
-    endpoint.open(Deadline(10))
-    try:
-        with socket.create_connection((transport.options["host"], transport.options["port"])) as peer:
-            peer.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes) + prefix(Kind.PROBE, 5) + prefix(Kind.ACK, 2) + b"{}")
-            got = events_until(endpoint, lambda e: len(e) >= 2)
-            assert got[0] == Joined(0) and not any(isinstance(e, Left) for e in got), got
-            assert read_frame(peer)[:2] == (Kind.ANSWER, 5)  # the probe was answered, the worker kept
-    finally:
-        endpoint.close()
+    with raw_sender(1, heartbeat=30.0) as (endpoint, address), socket.create_connection(address) as peer:
+        peer.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes) + prefix(Kind.PROBE, 5) + prefix(Kind.ACK, 2) + b"{}")
+        got = events_until(endpoint, lambda e: len(e) >= 2)
+        assert got[0] == Joined(0) and not any(isinstance(e, Left) for e in got), got
+        assert read_frame(peer)[:2] == (Kind.ANSWER, 5)  # the probe was answered, the worker kept
 
 
 def test_a_stranger_dropped_in_the_round_it_is_readable_leaves_the_sender_serving(sender, spawn) -> None:
@@ -341,11 +344,7 @@ def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> Non
     """Newest hello wins (a worker restarted while its old connection lingers), and the old
     connection is told why: a receiver still reading it stops for good (its receive() raises) instead
     of connecting again and taking the index back, over and over."""
-    transport = TcpTransport(heartbeat=30.0)
-    endpoint = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu")))
-    endpoint.open(Deadline(10))
-    try:
-        address = (transport.options["host"], transport.options["port"])
+    with raw_sender(1, heartbeat=30.0) as (endpoint, address):
         with socket.create_connection(address) as old, socket.create_connection(address) as new:
             old.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
             assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
@@ -353,8 +352,6 @@ def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> Non
             assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
             kind, _, reason = read_frame(old)
             assert kind == Kind.BYE and b"took its place" in reason, reason
-    finally:
-        endpoint.close()
     model = make_model(0)
     scheme = WeightSyncScheme("tcp", timeout=30.0)
     scheme.init_on_sender(model=model, num_workers=1)
