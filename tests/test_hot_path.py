@@ -24,8 +24,10 @@ _INT63 = st.integers(0, (1 << 63) - 1)
 
 def _reference(h: Header) -> bytes:
     """What ``json.dumps`` writes for ``h`` (the encoding before the fast path)."""
-    return json.dumps({"wsync": PROTOCOL, "v": h.version, "m": h.model_id, "d": h.digest, "n": h.nbytes,
-                       "c": h.checksum}, separators=(",", ":")).encode()
+    obj = {"wsync": PROTOCOL, "v": h.version, "m": h.model_id, "d": h.digest, "n": h.nbytes, "c": h.checksum}
+    if h.session is not None:
+        obj["s"] = h.session
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 @st.composite
@@ -35,7 +37,9 @@ def _headers(draw: st.DrawFn) -> Header:
     if nbytes < 1 << 34 and draw(st.booleans()):
         chunks = max(1, -(-nbytes // CHECKSUM_CHUNK))
         sums = draw(st.lists(st.integers(0, (1 << 64) - 1), min_size=chunks, max_size=chunks))
-    return Header(draw(_INT63), draw(st.text(max_size=20)), draw(st.text(max_size=40)), nbytes, sums)
+    session = draw(st.one_of(st.none(), st.text("0123456789abcdef", min_size=1, max_size=32)))
+    return Header(draw(_INT63), draw(st.text(max_size=20)), draw(st.text(max_size=40)), nbytes, sums,
+                  session=session)
 
 
 def _same_outcome(data: bytes, decode, checked) -> None:
@@ -80,7 +84,8 @@ def test_fast_header_refuses_what_the_checked_parser_refuses() -> None:
     good = Header(1, "policy", "ab", 10).encode()
     for bad in (good.replace(b'"v":1', b'"v":01'), good.replace(b'"n":10', b'"n":9223372036854775808'),
                 good.replace(b'"c":null', b'"c":[1,2]'), good.replace(b'"c":null', b'"c":[18446744073709551616]'),
-                good.replace(b'"wsync":1', b'"wsync":2')):
+                good.replace(b'"wsync":1', b'"wsync":2'), good.replace(b'"c":null', b'"c":null,"s":"ABC"'),
+                good.replace(b'"c":null', b'"c":null,"s":""'), good.replace(b'"c":null', b'"c":null,"s":7')):
         with pytest.raises(TransportError):
             Header.decode(bad)
 

@@ -47,7 +47,9 @@ _BRACKET = re.compile(r"[\[\]{}]")
 _UINT = rb"(0|[1-9][0-9]{0,18})"
 _ASCII = rb'([ !#-\[\]-~]*)'
 _FAST_HEADER = re.compile(rb'\{"wsync":1,"v":' + _UINT + rb',"m":"' + _ASCII + rb'","d":"' + _ASCII
-                          + rb'","n":' + _UINT + rb',"c":(null|\[[0-9,]{1,65536}\])\}\Z')
+                          + rb'","n":' + _UINT + rb',"c":(null|\[[0-9,]{1,65536}\])(?:,"s":"([0-9a-f]{1,32})")?\}\Z')
+#: a sender's session: hex digits (see ``Header.session``)
+_SESSION = re.compile(r"[0-9a-f]{1,32}\Z")
 _FAST_SUM = re.compile(rb"(?:0|[1-9][0-9]{0,19})\Z")
 _FAST_ACK = re.compile(rb'\{"wsync":1,"w":' + _UINT + rb',"v":(-?(?:0|[1-9][0-9]{0,18}))\}\Z')
 
@@ -183,7 +185,9 @@ def _fast_header(data: Any) -> Header | None:
         sums = [int(p) for p in parts]
         if any(c >= 1 << 64 for c in sums):
             return None
-    return Header(version, m.group(2).decode(), m.group(3).decode(), nbytes, sums)
+    session = m.group(6)
+    return Header(version, m.group(2).decode(), m.group(3).decode(), nbytes, sums,
+                  session=session.decode() if session is not None else None)
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,10 @@ class Header:
     tensors in dtype ``wire``; only the tensors or elements ``table`` lists; exact only for a
     receiver holding version ``base`` or newer. ``nbytes`` is then the payload's size, smaller
     than the layout's.
+
+    ``session`` names the sender that numbered the version (hex digits, new for each sender): a
+    trainer started again on the same address numbers from 0 again, and a worker still holding
+    the old one's version 3 must take the new one's 0, 1, 2 and 3, not count them as old.
     """
 
     version: int
@@ -209,6 +217,7 @@ class Header:
     wire: str | None = None
     table: list[list[int]] | None = None
     base: int | None = None
+    session: str | None = None
 
     @property
     def encoded(self) -> bool:
@@ -219,14 +228,19 @@ class Header:
         """The header as JSON bytes (a plain full payload's without ``json.dumps``: same bytes)."""
         if (self.checksum is None and self.layout is None and self.wire is None and self.table is None
                 and self.base is None and type(self.version) is int and type(self.nbytes) is int):
-            m, d = _json_str(self.model_id), _json_str(self.digest)
-            if m is not None and d is not None:
+            m, d, s = _json_str(self.model_id), _json_str(self.digest), _json_str(self.session)
+            if m is not None and d is not None and self.session is None:
                 return b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null}' % (PROTOCOL, self.version, m, d,
                                                                               self.nbytes)
+            if m is not None and d is not None and s is not None:
+                return b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null,"s":%s}' % (
+                    PROTOCOL, self.version, m, d, self.nbytes, s)
         obj: dict[str, Any] = {
             "wsync": PROTOCOL, "v": self.version, "m": self.model_id,
             "d": self.digest, "n": self.nbytes, "c": self.checksum,
         }
+        if self.session is not None:
+            obj["s"] = self.session
         if self.layout is not None:
             obj["l"] = self.layout
         if self.wire is not None:
@@ -270,8 +284,11 @@ class Header:
                                  f"[tensor, count, offset])")
         if base is not None and not (_is_int(base) and 0 <= base < version):
             raise TransportError(f"header field 'b' is malformed: {base!r:.60} (expected a version before {version})")
+        session = obj.get("s")
+        if session is not None and not (isinstance(session, str) and _SESSION.match(session)):
+            raise TransportError(f"header field 's' is malformed: {session!r:.60} (expected up to 32 hex digits)")
         return cls(version, _field(obj, "m", str, "header"), _field(obj, "d", str, "header"),
-                   nbytes, sums, layout, wire, table, base)
+                   nbytes, sums, layout, wire, table, base, session)
 
 
 @dataclass(frozen=True)

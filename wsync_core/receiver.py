@@ -56,6 +56,8 @@ class Receiver:
         self.model_id = model_id
         self.lock = lock
         self.version = -1
+        #: the sender that numbered ``version`` (``Header.session``): another one's numbers start over
+        self.session: str | None = None
         self.opened = False
         self.closing = False
         self.apply_listeners: list[Callable[[int], None]] = []
@@ -132,8 +134,11 @@ class Receiver:
                     _release(delivery)
                     self._reject(self.version, exc)
                     raise
-                self.announced = max(self.announced, header.version)
-                if header.version > (best[1].version if best else self.version):
+                held = best[1] if best is not None else None
+                session, version = (held.session, held.version) if held else (self.session, self.version)
+                fresh = header.session != session  # another sender's numbering: it supersedes what came before
+                self.announced = header.version if fresh else max(self.announced, header.version)
+                if fresh or header.version > version:
                     if best is not None:
                         _release(best[0])
                     best = (delivery, header)
@@ -152,6 +157,8 @@ class Receiver:
                 endpoint.ack(Ack(self.worker_idx, self.version).encode())
             return None
         delivery, header = best
+        if header.base is not None and header.session != self.session:
+            return self._refuse_delta(delivery, header, "holds no version of this sender's")
         if header.base is not None and not header.base <= self.version:
             return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
@@ -166,7 +173,7 @@ class Receiver:
                 raise
             finally:
                 _release(delivery)  # a no-op for memory the model now views: its lease gives it back
-        self.version = header.version
+        self.version, self.session = header.version, header.session
         warm = delivery.warm if adopted else None
         del delivery, best
         try:
@@ -225,7 +232,8 @@ class Receiver:
         why = (f"worker {self.worker_idx} {state}; version {header.version} came as a delta "
                f"from version {header.base}: asking for a full payload")
         log.info("%s", why)
-        self.endpoint.ack(Ack(self.worker_idx, self.version, why, "BaseMismatch").encode())
+        held = self.version if header.session == self.session else -1  # (another sender's numbers mean nothing here)
+        self.endpoint.ack(Ack(self.worker_idx, held, why, "BaseMismatch").encode())
         return None
 
     def _reject(self, version: int, exc: WsyncError) -> None:

@@ -7,9 +7,11 @@ version, acks of asynchronous sends are collected).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import operator
+import secrets
 import threading
 import time
 import weakref
@@ -97,6 +99,7 @@ class Sender:
         self.num_workers = num_workers
         self.lock = lock
         self.version = -1
+        self.session = secrets.token_hex(8)  # names this sender in every header (Header.session)
         self.connected = False
         self.closing = False
         self.last_report: SendReport | None = None
@@ -240,7 +243,7 @@ class Sender:
             torch.cuda.current_stream(tensor.device).synchronize()
         buffer.used = tensor.numel()
         sums = checksum(tensor) if self.transport.checksum else None
-        header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, sums)
+        header = Header(version, self.model_id, self.layout.digest, self.layout.nbytes, sums, session=self.session)
         t1 = time.perf_counter()
         self.version = version
         self._latest = (buffer, header)
@@ -335,7 +338,8 @@ class Sender:
     def _header(self, version: int, buffer: torch.Tensor, used: int, table: list[list[int]] | None = None,
                 base: int | None = None) -> Header:
         sums = checksum(buffer[:used]) if self.transport.checksum else None
-        return Header(version, self.model_id, self.layout.digest, used, sums, wire=self.wire, table=table, base=base)
+        return Header(version, self.model_id, self.layout.digest, used, sums, wire=self.wire, table=table, base=base,
+                      session=self.session)
 
     def _pack_full(self, buffer: torch.Tensor, version: int, tensors: dict[str, torch.Tensor],
                    keys: list[str] | None, previous: torch.Tensor | None) -> tuple[Header, int]:
@@ -370,9 +374,7 @@ class Sender:
         if known:
             self.endpoint.publish(buffer, header.encode(), known)
         if fresh:
-            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.checksum,
-                          layout=json.loads(self.layout.to_json()), wire=header.wire, table=header.table,
-                          base=header.base)
+            full = dataclasses.replace(header, layout=json.loads(self.layout.to_json()))
             self.endpoint.publish(buffer, full.encode(), fresh)
             self._layout_sent.update(fresh)
         return buffer
@@ -422,8 +424,7 @@ class Sender:
         if known:
             self.endpoint.publish(buffer, header.encode(), known)
         if fresh:
-            full = Header(header.version, header.model_id, header.digest, header.nbytes, header.checksum,
-                          layout=json.loads(self.layout.to_json()), wire=header.wire)
+            full = dataclasses.replace(header, layout=json.loads(self.layout.to_json()), table=None, base=None)
             self.endpoint.publish(buffer, full.encode(), fresh)
             self._layout_sent.update(fresh)
 

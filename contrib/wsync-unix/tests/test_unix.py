@@ -74,3 +74,45 @@ def test_a_key_on_one_side_only_is_named(sender_key, worker_key, message) -> Non
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_trainer_started_again_under_the_same_name_is_followed_from_its_version_0() -> None:
+    """The trainer restarts (the same ``name``) while a worker runs on, holding the first trainer's
+    version 3: the new trainer numbers from 0 again, and the worker takes each of its versions
+    (headers name the sender that numbered them), never counting them as old."""
+    import threading
+
+    from wsync_core import WeightSyncScheme
+
+    def model(value: float) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((1024,), value)}
+
+    worker_model = model(-1.0)
+    worker = WeightSyncScheme("unix", name="wsync-test-restart", timeout=10.0)
+    worker.init_on_receiver(model=worker_model, worker_idx=0)
+    for first, start in ((True, 0.0), (False, 100.0)):
+        trainer_model = model(start)
+        trainer = WeightSyncScheme("unix", name="wsync-test-restart", timeout=10.0)
+        trainer.init_on_sender(model=trainer_model, num_workers=1)
+        try:
+            if first:
+                connecting = threading.Thread(target=worker.connect)
+                connecting.start()
+                trainer.connect()
+                connecting.join()
+            else:  # the worker reconnects by itself; its receive() takes version 0 of the new trainer
+                handle = threading.Thread(target=trainer.connect)
+                handle.start()
+                deadline = Deadline(30)
+                while (worker.version != 0 or worker_model["w"][0] != start) and not deadline.expired():
+                    worker.receive(timeout=0.1)
+                assert worker.version == 0 and worker_model["w"][0] == start
+                handle.join()
+            for v in (1, 2, 3):
+                trainer_model["w"].fill_(start + v)
+                sent = trainer.send_async()
+                assert worker.receive(timeout=10.0) == v and sent.wait() == v
+                assert torch.equal(worker_model["w"], trainer_model["w"]), (first, v)
+        finally:
+            trainer.shutdown()
+    worker.shutdown()
