@@ -21,11 +21,12 @@ import contextlib
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import torch
 from wsync_core import (
@@ -87,18 +88,46 @@ def _write(directory: str, name: str, data: bytes | memoryview) -> None:
         raise
 
 
-def _read(path: str, limit: int) -> bytes | None:
-    """The bytes of ``path`` (None if it is missing); raises TransportError if it exceeds ``limit``."""
+def _open(path: str) -> BinaryIO | None:
+    """``path`` opened for reading (None if it is missing). Raises TransportError if it is not a
+    regular file: a FIFO would block the open (past every deadline), a directory the read."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise TransportError(f"cannot read {path}: {exc}") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise TransportError(f"{path} is not a regular file ({stat.filemode(mode)}); is something else "
+                             f"writing to this directory?")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _read(path: str, limit: int) -> bytes | None:
+    """The bytes of ``path`` (None if it is missing); raises TransportError if it exceeds ``limit``
+    or is not a regular file."""
+    f = _open(path)
+    if f is None:
+        return None
+    try:
+        with f:
+            data = f.read(limit + 1)
     except OSError as exc:
         raise TransportError(f"cannot read {path}: {exc}") from exc
     if len(data) > limit:
         raise TransportError(f"{path} holds more than {limit} bytes; is something else writing to this directory?")
     return data
+
+
+def _hello_owner(path: str) -> bytes:
+    """What the hello at ``path`` says of its worker ("host pid token"), b"" if it is gone; a
+    hello that is not a file names no one, and so no one whose death would free it (b"?")."""
+    try:
+        return _read(path, 256) or b""
+    except TransportError:
+        return b"?"
 
 
 def _mkdir(directory: str) -> None:
@@ -119,7 +148,8 @@ def _listdir(directory: str, closing: bool = False) -> list[str]:
 
 
 def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Remove the file ``path`` if it is there (a directory of that name is not this transport's)."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
         os.unlink(path)
 
 
@@ -155,6 +185,7 @@ class _Sender(SenderEndpoint):
         self.files: list[str] = []  # payload files on disk, oldest first
         self.mailbox: dict[int, str] = {}  # worker -> payload file its mailbox names
         self.hellos: dict[int, bytes] = {}  # workers seen, with their hello
+        self.refused: set[str] = set()  # entries that raised once and could not be removed (not files)
         self.seq = self.count = 0
         self.opened = False
         self.woken = threading.Event()  # wake(): the scheme is shutting down, poll returns at once
@@ -181,8 +212,8 @@ class _Sender(SenderEndpoint):
         finally:
             _unlink(tmp)
         self.opened = True
-        for name in _listdir(self.dir):  # leftovers of a sender that died
-            if name.startswith(("to-", "payload-", "ack-")):
+        for name in _listdir(self.dir):  # leftovers of a sender that died (half-written ones too)
+            if name.startswith(("to-", "payload-", "ack-", ".tmp-to-", ".tmp-payload-")):
                 _unlink(os.path.join(self.dir, name))
         self.buffers = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
@@ -217,25 +248,33 @@ class _Sender(SenderEndpoint):
         self.woken.set()
 
     def _scan(self) -> list[Event]:
-        names = _listdir(self.dir)
+        names = [name for name in _listdir(self.dir) if name not in self.refused]
         hellos: dict[int, bytes] = {}
         for name in names:
-            if (m := _HELLO.fullmatch(name)) and (data := _read(os.path.join(self.dir, name), 256)) and _alive(data):
+            if (m := _HELLO.fullmatch(name)) and (data := self._read_once(name, 256)) and _alive(data):
                 hellos[int(m[1])] = data
         events: list[Event] = [Joined(w) for w, data in hellos.items() if self.hellos.get(w) != data]
         for name in names:
             if m := _ACK.fullmatch(name):
-                path = os.path.join(self.dir, name)
                 try:
-                    data = _read(path, MAX_ACK_BYTES)
+                    data = self._read_once(name, MAX_ACK_BYTES)
                 finally:  # an oversized ack raises once, then is gone
-                    _unlink(path)
+                    _unlink(os.path.join(self.dir, name))
                 if data is not None:
                     events.append(Acked(int(m[1]), data))
         events += [Left(w, f"hello-{w} is gone or its process died ({data.decode(errors='replace')})")
                    for w, data in self.hellos.items() if w not in hellos]
         self.hellos = hellos
         return events
+
+    def _read_once(self, name: str, limit: int) -> bytes | None:
+        """``_read`` of an entry of the directory; one that raises is not read again (a FIFO or a
+        directory named like a hello or an ack, which no removal can clear, raises once)."""
+        try:
+            return _read(os.path.join(self.dir, name), limit)
+        except TransportError:
+            self.refused.add(name)
+            raise
 
     def close(self) -> None:
         if not self.opened:
@@ -245,7 +284,7 @@ class _Sender(SenderEndpoint):
             path = os.path.join(self.dir, name)
             if _ACK.fullmatch(name):
                 _unlink(path)
-            elif _HELLO.fullmatch(name) and not _alive(_read(path, 256) or b""):
+            elif _HELLO.fullmatch(name) and name not in self.refused and not _alive(_hello_owner(path)):
                 _unlink(path)  # left by a worker that was killed
         for name in [*self.files, *(f"to-{w}" for w in self.mailbox), "sender"]:
             _unlink(os.path.join(self.dir, name))
@@ -295,9 +334,8 @@ class _Receiver(ReceiverEndpoint):
         name = fields[2].decode(errors="replace") if len(fields) == 3 else ""
         if not _PAYLOAD.fullmatch(name):
             raise TransportError(f"mailbox to-{self.worker} in {self.dir} is malformed: {line[:80]!r}")
-        try:
-            f = open(os.path.join(self.dir, name), "rb", buffering=0)
-        except FileNotFoundError:  # replaced by a newer version: the mailbox names it now
+        f = _open(os.path.join(self.dir, name))
+        if f is None:  # replaced by a newer version: the mailbox names it now
             return None
         with f:
             size = os.fstat(f.fileno()).st_size
