@@ -51,6 +51,11 @@ HEARTBEAT_S = 0.2
 _POOL = 4
 
 
+#: the shortest wait a store connect keeps: TCPStore retries about once a second, so a connect
+#: given less (0.05 s) took 1.1 s; a probe with less time left than this makes no new connection
+_CONNECT_FLOOR_S = 1.0
+
+
 class DistributedReceiver(ReceiverBase):
     def __init__(self, cfg: Config, ctx: ReceiverContext) -> None:
         super().__init__(f"distributed worker {ctx.worker_idx}", ctx)
@@ -117,6 +122,8 @@ class DistributedReceiver(ReceiverBase):
         if self.bye or self.stopped.is_set() or wait <= 0:
             return None
         asker = self.asker
+        if asker is None and wait < _CONNECT_FLOOR_S:  # a connect this short would overrun the deadline
+            return None
         try:
             if asker is None:
                 asker = self.asker = wire.connect(self.cfg, Deadline(wait))
