@@ -369,6 +369,11 @@ class Sender:
         whole = buffer.tensor.numel()
         # never an empty payload: a 0-byte tensor is a corner no transport needs to handle
         buffer.used = max(used, 1) if used < whole and getattr(self.endpoint, "prefix_publish", False) else whole
+        self._publish(buffer, header, workers)
+        return buffer
+
+    def _publish(self, buffer: Buffer, header: Header, workers: list[int]) -> None:
+        """Publish ``buffer`` under ``header`` to ``workers``; a worker's first delivery carries the layout."""
         known = [w for w in workers if w in self._layout_sent]
         fresh = [w for w in workers if w not in self._layout_sent]
         if known:
@@ -377,7 +382,6 @@ class Sender:
             full = dataclasses.replace(header, layout=json.loads(self.layout.to_json()))
             self.endpoint.publish(buffer, full.encode(), fresh)
             self._layout_sent.update(fresh)
-        return buffer
 
     def _deliver_full(self, workers: list[int]) -> None:
         """Publish the newest version in full (from the mirror) to ``workers``: a joiner, or a worker
@@ -416,17 +420,8 @@ class Sender:
         """Publish the latest snapshot to ``workers``; a worker's first delivery carries the layout."""
         if workers and self._latest is None and self.mirror is not None:
             return self._deliver_full(workers)
-        if not workers or self._latest is None:
-            return
-        buffer, header = self._latest
-        fresh = [w for w in workers if w not in self._layout_sent]
-        known = [w for w in workers if w in self._layout_sent]
-        if known:
-            self.endpoint.publish(buffer, header.encode(), known)
-        if fresh:
-            full = dataclasses.replace(header, layout=json.loads(self.layout.to_json()), table=None, base=None)
-            self.endpoint.publish(buffer, full.encode(), fresh)
-            self._layout_sent.update(fresh)
+        if workers and self._latest is not None:  # (a full payload: the latest never has a table)
+            self._publish(*self._latest, workers)
 
     # -- events and acks ------------------------------------------------------------------------
     def _pump(self, deadline: Deadline) -> None:

@@ -284,7 +284,7 @@ class _Sender(SenderEndpoint):
             path = os.path.join(self.dir, name)
             if _ACK.fullmatch(name):
                 _unlink(path)
-            elif _HELLO.fullmatch(name) and name not in self.refused and not _alive(_hello_owner(path)):
+            elif _HELLO.fullmatch(name) and not _alive(_hello_owner(path)):
                 _unlink(path)  # left by a worker that was killed
         for name in [*self.files, *(f"to-{w}" for w in self.mailbox), "sender"]:
             _unlink(os.path.join(self.dir, name))
