@@ -123,6 +123,10 @@ class Capabilities:
     late_join: bool = True
     #: peers can be required to authenticate
     auth: bool = False
+    #: a sender built again from the same options (a trainer restarted: the same address), after
+    #: the first one shut down, is followed by the receivers that were connected to the first: they
+    #: reconnect by themselves and apply its versions, numbered from 0 again
+    sender_restart: bool = False
 
     def declared(self) -> list[str]:
         """The names of the capabilities set to True."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -136,7 +137,7 @@ def test_broken_transport_fails_under_its_guarantee(name: str, runs) -> None:
     assert code == 1, log
     assert results[guarantee]["status"] == "failed", log
     if name in BY_COMMAND:  # the command's table names it too
-        assert f"{guarantee:<11} failed" in log, log
+        assert re.search(rf"^{guarantee} +failed ", log, re.MULTILINE), log
 
 
 def test_a_hung_publish_fails_its_test_naming_the_call_and_the_run_goes_on(runs) -> None:
@@ -221,8 +222,8 @@ def test_inproc_passes_every_guarantee(runs) -> None:
                             "clean", "safe"}
     assert {g: r["status"] for g, r in results.items()} == dict.fromkeys(results, "passed"), log
     assert "capabilities declared: zero_copy, async_send, subset_send, late_join" in log, log[-9000:]
-    for row in ("zero_copy   passed", "async_send  passed", "subset_send passed", "late_join   passed"):
-        assert row in log, log[-9000:]
+    for name in ("zero_copy", "async_send", "subset_send", "late_join"):
+        assert re.search(rf"^{name} +passed ", log, re.MULTILINE), log[-9000:]
 
 
 def test_wsync_conformance_command_prints_the_table(tmp_path: Path) -> None:
@@ -230,8 +231,8 @@ def test_wsync_conformance_command_prints_the_table(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "wsync_core.cli", "conformance", "inproc", "-k", "portable or ordered"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    for row in ("portable    passed", "ordered     passed", "exact       not run"):
-        assert row in proc.stdout, proc.stdout[-4000:]
+    for name, status in (("portable", "passed"), ("ordered", "passed"), ("exact", "not run")):
+        assert re.search(rf"^{name} +{status} ", proc.stdout, re.MULTILINE), proc.stdout[-4000:]
 
 
 def test_unknown_transport_is_reported(tmp_path: Path) -> None:
@@ -248,4 +249,5 @@ def test_the_command_finds_a_transports_own_hooks(tmp_path: Path) -> None:
                            "test_capability_auth_secrets_never_shown"], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "auth        passed   test_capability_auth_secrets_never_shown" in proc.stdout, proc.stdout[-4000:]
+    assert re.search(r"^auth +passed +test_capability_auth_secrets_never_shown", proc.stdout, re.MULTILINE), \
+        proc.stdout[-4000:]

@@ -583,6 +583,17 @@ if TcpTransport is not None:
             while self.is_open:  # alive, connected to nothing
                 time.sleep(0.1)
 
+    class _GoodbyeIsFinal(_TcpReceiver):
+        """Reconnects after a lost link, but takes the sender's goodbye (a shutdown) for the end: a
+        trainer restarted on the same address waits for workers that never come back."""
+
+        def _frame(self, conn, f):
+            from wsync_core.stream import Kind
+
+            if f.kind == Kind.BYE and not f.body:
+                return "the sender shut down"
+            return super()._frame(conn, f)
+
     _LEFT_OPEN: list[socket.socket] = []
 
     class _LeavesListener(_TcpReceiver):
@@ -658,6 +669,11 @@ if TcpTransport is not None:
     BROKEN["SilentTakeover"] = "live"
     SELECT["SilentTakeover"] = "test_live_two_receivers_claim_one_index"
     __all__ += ["SilentTakeover"]
+
+    GoodbyeIsFinal = _tcp("GoodbyeIsFinal", receiver=_GoodbyeIsFinal)
+    BROKEN["GoodbyeIsFinal"] = "live"
+    SELECT["GoodbyeIsFinal"] = "test_live_sender_restarted_on_its_address"
+    __all__ += ["GoodbyeIsFinal"]
 
     ListenerLeft = _tcp("ListenerLeft", receiver=_LeavesListener)
     BROKEN["ListenerLeft"] = "clean"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -65,7 +65,7 @@ class Context:
     # -- building ----------------------------------------------------------------------------
     def scheme(self, *, sync: bool = True, timeout: float | None = None) -> WeightSyncScheme:
         s = WeightSyncScheme(self.target.make(), sync=sync, timeout=self.timeout if timeout is None else timeout)
-        self._closers.append(s.shutdown)
+        self.on_close(s.shutdown)
         return s
 
     def workers(self, n: int) -> list[harness.Worker]:
@@ -81,10 +81,15 @@ class Context:
         """A sender of ``spec`` and ``n`` receivers (connected unless ``connect=False``; receivers
         call ``init_on_receiver`` unless ``init=False``)."""
         s = Session(self, spec, workers or self.workers(n), sync=sync, receiver_device=receiver_device, init=init)
-        self._closers.append(s.close)
+        self.on_close(s.close)
         if connect:
             s.connect()
         return s
+
+    def on_close(self, closer: Callable[[], Any]) -> None:
+        """Call ``closer`` when the test ends (after the ones registered later), as for the schemes
+        and sessions handed out here."""
+        self._closers.append(closer)
 
     def close(self) -> None:
         """Shut down every scheme and endpoint; return the runners to the pool (kill them if the

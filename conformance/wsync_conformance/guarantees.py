@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
+from wsync_core import Capabilities
 
 __all__ = ["GUARANTEES", "CAPABILITY_NAMES", "guarantee", "capability", "GuaranteeViolation", "violated"]
 
@@ -21,8 +24,7 @@ GUARANTEES: dict[str, str] = {
 }
 
 #: every field of wsync_core.Capabilities
-CAPABILITY_NAMES: tuple[str, ...] = ("processes", "multi_host", "cuda", "zero_copy", "async_send", "subset_send",
-                                     "late_join", "auth")
+CAPABILITY_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Capabilities))
 
 
 def guarantee(*names: str) -> pytest.MarkDecorator:

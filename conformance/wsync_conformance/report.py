@@ -138,12 +138,17 @@ class ResultsWriter(Collector):
                           "guarantees": after.guarantees, "capabilities": after.capabilities})
 
 
+#: the width of the tables' first column
+_NAME_WIDTH = max(len(name) for name in (*GUARANTEES, *CAPABILITY_NAMES, "capability"))
+
+
 def format_table(results: dict[str, dict[str, Any]], header: str, declared: list[str],
                  capabilities: dict[str, dict[str, Any]] | None = None,
                  trusted: tuple[str, str] | None = None) -> str:
     """The table ``wsync conformance`` prints: one row per guarantee, then the capabilities and
     the runtime the transport trusts (``trusted``: module and reason), if any."""
-    lines = [header, "", f"{'guarantee':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
+    w = _NAME_WIDTH
+    lines = [header, "", f"{'guarantee':<{w}} {'result':<8} detail", f"{'-' * w} {'-' * 8} {'-' * 50}"]
     for g, r in results.items():
         if r["status"] == "failed":
             detail = "; ".join(f"{t}: {why}" for t, why in r["failed"])
@@ -155,9 +160,9 @@ def format_table(results: dict[str, dict[str, Any]], header: str, declared: list
             detail = "; ".join(sorted({why for _, why in r["skipped"]}))
         else:
             detail = "no test selected"
-        lines.append(f"{g:<11} {r['status']:<8} {detail}")
+        lines.append(f"{g:<{w}} {r['status']:<8} {detail}")
     if capabilities:
-        lines += ["", f"{'capability':<11} {'result':<8} detail", f"{'-' * 11} {'-' * 8} {'-' * 50}"]
+        lines += ["", f"{'capability':<{w}} {'result':<8} detail", f"{'-' * w} {'-' * 8} {'-' * 50}"]
         for c, r in capabilities.items():
             if r["status"] in ("failed", "skipped"):
                 detail = "; ".join(f"{t}: {why}" for t, st, why in r["tests"] if st == r["status"])
@@ -165,7 +170,7 @@ def format_table(results: dict[str, dict[str, Any]], header: str, declared: list
                 detail = ", ".join(t for t, st, _ in r["tests"] if st == "passed")
             else:
                 detail = "declared, but no test of it ran"
-            lines.append(f"{c:<11} {r['status']:<8} {detail}")
+            lines.append(f"{c:<{w}} {r['status']:<8} {detail}")
     lines += ["", "capabilities declared: " + (", ".join(declared) or "none"),
               "not declared (their tests skip): " + (", ".join(c for c in CAPABILITY_NAMES if c not in declared)
                                                      or "none")]

@@ -100,11 +100,11 @@ class SceneChecks:
                 raise violated("clean", f"{wsync.timeout:g} s after shutdown() of a sender over {transport!r}, its "
                                         f"process still listens on {kept}")
             again = WeightSyncScheme(transport, timeout=wsync.timeout)
-            wsync._closers.append(again.shutdown)
+            wsync.on_close(again.shutdown)
             model = s.model
             again.init_on_sender(model=model, num_workers=2)
             s2 = Session(wsync, spec, s.workers, scheme=again, model=model)
-            wsync._closers.append(s2.close)
+            wsync.on_close(s2.close)
             try:
                 s2.connect()
             except Exception as exc:

@@ -56,7 +56,7 @@ class AtomicChecks:
         for what, spec in variants.items():
             (w,) = wsync.workers(1)
             s = Session(wsync, base, [w])
-            wsync._closers.append(s.close)
+            wsync.on_close(s.close)
             fill_version(s.model, 5)
             w.open(s.scheme, spec, wsync.device, 0)  # replaces the session's receiver with a mismatching one
             before = w.snapshot()["digests"]

@@ -29,10 +29,10 @@ def delta_session(wsync: Context, spec: ModelSpec, n: int = 2, *, sync: bool = T
     """A connected session whose sender scheme has ``options`` (delta=, delta_bases=, wire_dtype=)."""
     model = build(spec, wsync.sender_device, sender=True)
     scheme = WeightSyncScheme(wsync.target.make(), sync=sync, timeout=wsync.timeout, **options)
-    wsync._closers.append(scheme.shutdown)
+    wsync.on_close(scheme.shutdown)
     scheme.init_on_sender(model=model, num_workers=n)
     s = Session(wsync, spec, wsync.workers(n), scheme=scheme, model=model)
-    wsync._closers.append(s.close)
+    wsync.on_close(s.close)
     s.connect()
     return s
 

@@ -60,7 +60,7 @@ class Endpoints:
         self.transport = wsync.target.make()
         self.sender: SenderEndpoint = self.transport.sender(
             SenderContext(n, self.layout, "policy", torch.device(wsync.sender_device)))
-        wsync._closers.append(self.sender.close)
+        wsync.on_close(self.sender.close)
         self.blob = base64.b64encode(pickle.dumps(self.transport)).decode()  # after sender(): options may be resolved
         self.workers = wsync.workers(n)
         self.receiver_specs: dict[int, ModelSpec] = {}  # a worker's own model, where it differs from the sender's

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
-from wsync_core import StateError, WorkerTimeoutError
+from wsync_core import StateError, WeightSyncScheme, WorkerTimeoutError, WsyncError
 
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
-from ..models import digests, fill_version, many_spec, random_values, version_spec
+from ..models import build, digests, fill_version, many_spec, random_values, version_spec
 from .base import SLACK_S, budget, expect_connect_refused
 
 __all__ = ["LiveChecks"]
@@ -136,6 +137,48 @@ class LiveChecks:
         s.check(2, [1], guarantee="live")
         fill_version(s.model, 3)
         s.check(s.send())
+
+    @guarantee("live")
+    @capability("sender_restart")
+    def test_live_sender_restarted_on_its_address(self, wsync: Context) -> None:
+        """The sender shuts down and a new one is built from its pickled scheme (the same options:
+        the same address, as a restarted trainer has them) while the workers go on calling
+        receive(): they reconnect by themselves, the new sender's connect() and sends reach them,
+        and each holds exactly its versions, numbered from 0 again though the workers held the
+        first sender's version 3."""
+        wsync.require("sender_restart")
+        s = wsync.session(version_spec(), n=2)
+        for v in (1, 2, 3):
+            fill_version(s.model, v)
+            s.check(s.send())
+        again: WeightSyncScheme = pickle.loads(pickle.dumps(s.scheme))
+        wsync.on_close(again.shutdown)
+        s.scheme.shutdown()
+        model = build(s.spec, wsync.sender_device, sender=True)
+        fill_version(model, 40)
+        again.init_on_sender(model=model, num_workers=len(s.workers))
+        expected = {0: digests(model)}
+        with s.following() as reports:
+            call = "connect()"
+            try:
+                again.connect(timeout=wsync.timeout)
+                for v in (1, 2):
+                    fill_version(model, 40 + v)
+                    expected[v] = digests(model)
+                    call = f"send() of version {v}"
+                    again.send(timeout=wsync.timeout)
+            except WsyncError as exc:
+                raise violated("live", f"a sender restarted on the first one's address: its {call} raised "
+                                       f"{type(exc).__name__}: {exc}") from None
+        for i, w in enumerate(s.workers):
+            odd = [e for e in reports[i].get("errors", []) if e["error"] != "TransportError"]
+            if odd:
+                raise violated("live", f"worker {i}'s receive() raised {odd[0]['error']} while its sender restarted "
+                                       f"(only TransportError may say the sender is gone): {odd[0]['message']}")
+            snap = w.snapshot()
+            if snap["version"] != 2 or snap["digests"] != expected[2]:
+                raise violated("exact", f"worker {i} reports version {snap['version']} but does not hold the restarted "
+                                        f"sender's version 2, which it acked")
 
     @guarantee("live")
     @budget(seconds=30, short_timeouts=30)

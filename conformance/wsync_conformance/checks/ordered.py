@@ -49,7 +49,7 @@ class OrderedChecks:
         expect("init_on_sender() twice", lambda: scheme.init_on_sender(model=model, num_workers=1))
         expect("init_on_receiver() on a sender", lambda: scheme.init_on_receiver(model=model, worker_idx=0))
         s = Session(wsync, spec, workers, scheme=scheme, model=model)
-        wsync._closers.append(s.close)
+        wsync.on_close(s.close)
         s.connect()
         expect("connect() twice", lambda: scheme.connect(timeout=wsync.short_timeout))
         expect("init_on_sender() after connect", lambda: scheme.init_on_sender(model=model, num_workers=1))

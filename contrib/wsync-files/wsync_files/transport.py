@@ -373,7 +373,8 @@ class FilesTransport(Transport):
 
     name = "files"
     interface = 2
-    capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True)
+    capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True,
+                                sender_restart=True)
 
     def __init__(self, *, directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:
         if directory is None:

@@ -72,7 +72,7 @@ class TcpTransport(Transport):
     name = "tcp"
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, async_send=True, subset_send=True,
-                                late_join=True, auth=True)
+                                late_join=True, auth=True, sender_restart=True)
     secret_options = ("authkey",)
 
     @staticmethod

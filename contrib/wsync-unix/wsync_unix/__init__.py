@@ -75,7 +75,8 @@ class UnixTransport(Transport):
 
     name = "unix"
     interface = 2
-    capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True, auth=True)
+    capabilities = Capabilities(processes=True, async_send=True, subset_send=True, late_join=True, auth=True,
+                                sender_restart=True)
     secret_options = ("authkey",)
 
     @staticmethod

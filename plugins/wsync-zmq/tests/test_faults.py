@@ -110,3 +110,55 @@ def test_cut_link_mid_send_is_named_the_other_updated_then_it_catches_up(hosts, 
             assert w.wait_version(scheme.version)["digest"] == digest(model)
     finally:
         scheme.shutdown()
+
+
+def test_handshakes_cut_short_by_a_sender_going_or_coming_back_are_not_refusals():
+    """A trainer that dies or restarts on its address can cut a worker's handshake short (the
+    port accepts, then closes): the worker, which met a sender there before, connects again
+    rather than raising "refused" from receive(), and follows the trainer started next."""
+    import socket
+    import threading
+
+    from wsync_core import Deadline, TransportError
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    held = {"w": torch.full((16,), -1.0)}
+    worker = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    worker.init_on_receiver(model=held, worker_idx=0)
+    first = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    first.init_on_sender(model={"w": torch.full((16,), 1.0)}, num_workers=1)
+    connecting = threading.Thread(target=worker.connect)
+    connecting.start()
+    first.connect()
+    connecting.join()
+    first.shutdown()
+    errors = []
+    with socket.create_server(("127.0.0.1", port)) as cutter:  # what a dying sender's port does
+        cutter.settimeout(5.0)
+        for _ in range(2):
+            worker.receive(timeout=0.0)
+            conn, _ = cutter.accept()
+            conn.close()
+        time.sleep(0.2)
+        try:
+            worker.receive(timeout=0.2)
+        except TransportError as exc:
+            errors.append(exc)
+    second = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    second.init_on_sender(model={"w": torch.full((16,), 100.0)}, num_workers=1)
+    try:
+        connecting = threading.Thread(target=second.connect)
+        connecting.start()
+        deadline = Deadline(30.0)
+        while held["w"][0] != 100.0 and not deadline.expired():
+            try:
+                worker.receive(timeout=0.1)
+            except TransportError as exc:
+                errors.append(exc)
+        connecting.join()
+        assert not errors, errors
+        assert worker.version == 0 and torch.equal(held["w"], torch.full((16,), 100.0))
+    finally:
+        second.shutdown()
+        worker.shutdown()

@@ -35,6 +35,9 @@ _BYE_LINGER_MS = 500
 #: how long ``recv`` waits at least for the answer to a probe (seconds; up to its deadline if that
 #: is later, as ``wsync_core.stream`` does); without one it returns the delivery it holds
 _PROBE_WAIT_S = 0.5
+#: handshakes in a row that a sender this worker met before may cut short (it died or restarts
+#: mid-handshake) before the worker takes it for a refusal
+_CUT_HANDSHAKES = 3
 
 
 class ZmqReceiver(ReceiverBase):
@@ -58,6 +61,8 @@ class ZmqReceiver(ReceiverBase):
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
         self._wakeup = Wakeup()  # its eventfd, in the poller, ends a wait at once (the base keeps the flag)
         self._replaced = False  # the sender took another connection for this worker index
+        self._met = False  # a handshake with the sender succeeded once
+        self._cut = 0  # handshakes cut short since the last one that succeeded
 
     def start(self, deadline: Deadline) -> None:
         opts = self._options
@@ -131,10 +136,16 @@ class ZmqReceiver(ReceiverBase):
             kind = event["event"]
             log.debug("worker %d: socket event %s", self._worker, zmq.Event(kind).name)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected = True
+                self._connected = self._met = True
+                self._cut = 0
                 self._send(HELLO + self._hello, "hello")
                 self._wanted = True  # a hello asks for the current version
-            elif kind == zmq.EVENT_DISCONNECTED:
+            elif kind == zmq.EVENT_DISCONNECTED or (
+                    kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._met and self._cut < _CUT_HANDSHAKES):
+                if kind != zmq.EVENT_DISCONNECTED:  # a sender met before, going or coming back: not a refusal
+                    self._cut += 1
+                    log.info("worker %d: a handshake with %s was cut short; connecting again", self._worker,
+                             self._options["address"])
                 self._connected = False
                 self._wanted = False
                 self._reconnect()

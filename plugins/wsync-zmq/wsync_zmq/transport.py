@@ -79,7 +79,7 @@ class ZmqTransport(Transport):
     name = "zmq"
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
-                                subset_send=True, late_join=True, auth=True)
+                                subset_send=True, late_join=True, auth=True, sender_restart=True)
     secret_options = ("curve_server_secret", "curve_client_secret")
 
     @staticmethod
