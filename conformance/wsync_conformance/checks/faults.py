@@ -121,6 +121,7 @@ class Cluster:
         self.sender.call("init_on_sender", num_workers=2).raise_for_error("init_on_sender() in the sender runner")
         for i, w in enumerate(self.workers):
             w.open(self.blob, spec, wsync.device, i)
+        self.seed = 0  # version v's values are those of seed + v (a restarted sender's differ)
         self.expected: dict[int, dict[str, str]] = {0: self.fill(0)}
         for w in self.workers:
             w.call_async("connect", timeout=wsync.timeout)
@@ -150,8 +151,31 @@ class Cluster:
     def next_version(self) -> int:
         """Fill the sender's model with the next version's values; returns that version."""
         self.version += 1
-        self.expected[self.version] = self.fill(self.version)
+        self.expected[self.version] = self.fill(self.seed + self.version)
         return self.version
+
+    def restart_sender(self) -> None:
+        """A fresh sender runner built from the first one's pickled scheme (its address), whose
+        connect() must reach the workers while they call receive(): they find it by themselves
+        (``sender_restart``). Its versions count from 0 again, with values no earlier one had."""
+        with watchdog.paused():
+            self.sender = harness.Worker(kind="spawn", wait=False)
+            self.started.append(self.sender)
+            self.sender.wait_started()
+        self.sender.open(self.blob, self.spec, self.ctx.device, 0, init=False)
+        self.sender.call("init_on_sender", num_workers=2).raise_for_error("init_on_sender() in the restarted sender")
+        self.seed, self.version = 1000, 0
+        self.expected = {0: self.fill(self.seed)}
+        for w in self.workers:
+            w.follow()
+        try:
+            reply = self.sender.call("connect", timeout=self.ctx.timeout)
+        finally:
+            for w in self.workers:
+                w.stop()
+        if reply.error:
+            raise violated("live", f"a sender restarted on the killed one's address: its connect() raised "
+                                   f"{reply.error}: {reply.get('message')}")
 
     def send(self, timeout: float, follow: list[int], **kw: Any) -> harness.Reply:
         """``send(timeout, **kw)`` in the sender while receivers ``follow`` receive; the sender's reply."""
@@ -401,11 +425,13 @@ class FaultChecks:
 
     @guarantee("live")
     @capability("multi_host")
-    @budget(timeouts=2, short_timeouts=12)
+    @capability("sender_restart")
+    @budget(timeouts=4, short_timeouts=12)
     def test_faults_sender_killed(self, wsync: Context) -> None:
         """The sender SIGKILLed mid-send: every receiver on the other hosts has its receive() return
         (or raise TransportError) within its timeout, twice, its model holding exactly the last
-        version it applied."""
+        version it applied. With ``sender_restart``, a sender started again on the killed one's
+        address then connects and updates both workers (its version 1, exactly)."""
         wait = wsync.short_timeout * 2
         with _cluster(self, wsync, _spec_of(1024)) as c:
             c.next_version()
@@ -447,6 +473,15 @@ class FaultChecks:
                 if snap["digests"] != c.expected[snap["version"]]:
                     raise violated("atomic", f"worker {i} reports version {snap['version']} but holds other "
                                              f"content once the sender died mid-send")
+            if wsync.caps.sender_restart:
+                c.restart_sender()
+                c.next_version()
+                reply = c.send(wsync.timeout, [0, 1])
+                if reply.error:
+                    raise violated("live", f"the sender restarted after the first was killed: its send() of version 1 "
+                                           f"raised {reply.error}: {reply.get('message')}")
+                for i in (0, 1):
+                    c.check(i, c.version, "a send from the sender restarted after the first was killed")
 
 def _replace_worker(c: Cluster, wsync: Context, wait: float) -> None:
     """A replacement for the killed worker 1, on its host under its index: with late_join it
