@@ -36,7 +36,7 @@ from . import native
 from .errors import TransportError
 from .layout import ALIGN, DTYPES, Entry, Layout
 
-__all__ = ["WIRE_DTYPES", "wire_layout", "Mirror", "Op", "decode_table", "apply_ops", "unpack_wire",
+__all__ = ["WIRE_DTYPES", "INDEX_BYTES", "wire_layout", "Mirror", "Op", "decode_table", "apply_ops", "unpack_wire",
            "check_wire_dtype", "Encoded", "Costs"]
 
 #: the dtypes floating tensors may travel in (``wire_dtype=``)
@@ -48,7 +48,8 @@ _WIRE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 _CHUNK_BYTES = 8 << 20
 #: a tensor is sent whole when its indices and values would take at least this share of its bytes
 _WHOLE_SHARE = 1.0
-_INDEX_BYTES = 4
+#: the size of an index in a partial payload (int32)
+INDEX_BYTES = 4
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -161,7 +162,7 @@ class Mirror:
                     continue
                 idx, vals = found
                 total += idx.numel()
-                sparse = idx.numel() * (_INDEX_BYTES + flat.element_size()) < e.nbytes * _WHOLE_SHARE
+                sparse = idx.numel() * (INDEX_BYTES + flat.element_size()) < e.nbytes * _WHOLE_SHARE
                 changed[i] = idx.to(torch.int32) if sparse and flat.numel() < 1 << 31 else None
                 if changed[i] is not None and vals is not None:
                     values[i] = vals
@@ -208,10 +209,10 @@ class Mirror:
     def _section(self, i: int, idx: torch.Tensor | None) -> tuple[int, int]:
         """(count, bytes) of entry ``i``'s section: count -1 for the whole tensor."""
         e = self.wire.entries[i]
-        if idx is None or idx.numel() * (_INDEX_BYTES + self.flat[i].element_size()) >= e.nbytes:
+        if idx is None or idx.numel() * (INDEX_BYTES + self.flat[i].element_size()) >= e.nbytes:
             return -1, e.nbytes
         n = idx.numel()
-        return n, _align(n * _INDEX_BYTES) + n * self.flat[i].element_size()
+        return n, _align(n * INDEX_BYTES) + n * self.flat[i].element_size()
 
     def encode(self, changes: Mapping[int, torch.Tensor | None], buffer: torch.Tensor) -> Encoded:
         """Write ``changes`` (entry index -> indices or None) with this mirror's values into the
@@ -228,8 +229,8 @@ class Mirror:
                     buffer[offset:offset + size].copy_(flat.view(torch.uint8))
                 else:
                     idx = changes[i]
-                    vals_at = offset + _align(count * _INDEX_BYTES)
-                    buffer[offset:offset + count * _INDEX_BYTES].view(torch.int32).copy_(idx)
+                    vals_at = offset + _align(count * INDEX_BYTES)
+                    buffer[offset:offset + count * INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
                     if i in self.values and newest.get(i) is idx:  # the newest version's own indices
                         _bits(dst).copy_(_bits(self.values[i]))
@@ -487,7 +488,7 @@ def decode_table(table: Any, layout: Layout, wire: Layout, nbytes: int, where: s
         if count == -1:
             length, values_at = w.nbytes, offset
         elif 0 < count < numel:
-            values_at = offset + _align(count * _INDEX_BYTES)
+            values_at = offset + _align(count * INDEX_BYTES)
             length = values_at - offset + count * size
         else:
             raise TransportError(f"{where}: payload table gives tensor {e.key!r} {count} elements "
@@ -509,7 +510,7 @@ def check_indices(ops: Sequence[Op], payload: torch.Tensor, where: str) -> list[
         if op.count < 0:
             out.append(None)
             continue
-        idx = payload[op.offset:op.offset + op.count * _INDEX_BYTES].view(torch.int32)
+        idx = payload[op.offset:op.offset + op.count * INDEX_BYTES].view(torch.int32)
         numel = _numel(op.entry)
         if native.usable(idx):
             ok = native.ascending(idx, numel)

@@ -74,7 +74,7 @@ class Entry:
 class Layout:
     """An immutable, sorted table of entries; ``nbytes`` is the size of the flat buffer."""
 
-    __slots__ = ("entries", "nbytes", "digest", "_by_key", "_filled", "_views", "_regions")
+    __slots__ = ("entries", "nbytes", "digest", "alignment", "_by_key", "_filled", "_views", "_regions")
 
     def __init__(self, entries: list[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
@@ -85,6 +85,9 @@ class Layout:
         #: views of recently used buffers, by (address, device): slots and staging buffers repeat
         self._views: OrderedDict[tuple[int, torch.device], list[torch.Tensor]] = OrderedDict()
         self.nbytes: int = _align(max((e.offset + e.nbytes for e in entries), default=0))
+        #: what a buffer's address must be a multiple of for its entries to be read as their dtypes
+        #: (an element's size: complex128 needs 16, which torch's copies assume)
+        self.alignment: int = max((e.torch_dtype.itemsize for e in self._filled), default=1)
         self._by_key = {e.key: e for e in entries}
         self.digest: str = hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
         if self.nbytes <= NATIVE_COPY_BYTES and not any(e.torch_dtype.is_complex for e in self._filled):

@@ -18,7 +18,7 @@ import torch
 
 from .deadline import POLL, Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
-from .delta import apply_ops, check_indices, decode_table, unpack_wire, wire_layout, WIRE_DTYPES
+from .delta import INDEX_BYTES, WIRE_DTYPES, apply_ops, check_indices, decode_table, unpack_wire, wire_layout
 from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
@@ -269,6 +269,9 @@ class Receiver:
                                  f"expected {layout.nbytes}")
         if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
+        adoptable = delivery.adoptable
+        if payload.data_ptr() % layout.alignment:
+            payload, adoptable = _realigned(payload, delivery), False
         targets = flatten(self.source, self.strategy, detach=False)
         on_cpu = layout.ready(targets)  # the common case in one pass; else the checks that name what is wrong
         if not on_cpu:
@@ -277,7 +280,7 @@ class Receiver:
                 materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
                 targets = flatten(self.source, self.strategy, detach=False)
             layout.check_writable(targets, context=where)
-        if delivery.adoptable and payload.device.type == "cpu":
+        if adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
             adopted = layout.adopt(payload, targets, retired)
@@ -310,6 +313,8 @@ class Receiver:
         payload = payload[:header.nbytes]
         if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
+        if payload.data_ptr() % max(layout.alignment, INDEX_BYTES):
+            payload = _realigned(payload, delivery)
         if header.table is None:
             if header.base is not None or header.nbytes != wire.nbytes:
                 raise TransportError(f"{where}: a full payload in {header.wire} has {header.nbytes} bytes, "
@@ -373,6 +378,16 @@ class _Adopted:
                 if t.data_ptr() == ptr:
                     t.data = t.data.clone()
         self.tensors = {}
+
+
+def _realigned(payload: torch.Tensor, delivery: Delivery) -> torch.Tensor:
+    """A copy of ``payload`` at an address torch aligns for every dtype, for a payload at one the
+    layout's dtypes cannot be read from (a transport's frame right after its header: a typed copy
+    from there may crash the process); ``delivery`` goes back to its transport at once."""
+    copy = torch.empty_like(payload, memory_format=torch.contiguous_format)
+    copy.copy_(payload)
+    _release(delivery)
+    return copy
 
 
 def _release(delivery: Delivery) -> None:

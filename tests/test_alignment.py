@@ -1,0 +1,80 @@
+"""A delivery's payload may sit at any address (zmq's frame right after its header does): the
+receiver reads it exactly, adopts nothing there that its dtypes cannot be read from, and never
+crashes the worker (a typed torch copy of complex128 from an address that is not a multiple of 16
+ended it with SIGSEGV)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from wsync_core import Delivery, WeightSyncScheme
+from wsync_core.inproc import InprocTransport, _Receiver
+
+#: where each delivery's payload lands: an address this many bytes past a multiple of 64
+SHIFTS = (1, 4, 8)
+
+
+class _Moved(_Receiver):
+    """Hands every payload over at an address ``shift`` bytes past a multiple of 64, as adoptable."""
+
+    shift = 1
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None or delivery.payload.numel() == 0:
+            return delivery
+        n = delivery.payload.numel()
+        room = torch.empty(n + 128, dtype=torch.uint8)
+        start = -room.data_ptr() % 64 + self.shift
+        moved = room[start:start + n]
+        moved.copy_(delivery.payload)
+        return Delivery(delivery.header, moved, adoptable=True)
+
+
+def _moved_transport(shift: int) -> type:
+    receiver = type(f"_Moved{shift}", (_Moved,), {"shift": shift})
+    return type(f"Moved{shift}", (InprocTransport,),
+                {"name": f"moved{shift}", "receiver": lambda self, ctx: receiver(self, ctx)})
+
+
+def _model(n: int) -> dict[str, torch.Tensor]:
+    return {"c": torch.zeros(n, dtype=torch.complex128), "d": torch.zeros(n, dtype=torch.float64),
+            "f": torch.zeros(n, dtype=torch.float32), "h": torch.zeros(3, dtype=torch.bfloat16)}
+
+
+def _fill(model: dict[str, torch.Tensor], v: float) -> None:
+    for t in model.values():
+        t.copy_(torch.arange(t.numel()).to(t.dtype) + v)
+
+
+@pytest.mark.parametrize("shift", SHIFTS)
+@pytest.mark.parametrize("n", [5, 200_000])  # small (one native copy) and large (typed copies, adoption)
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_payload_at_any_address_is_applied_exactly(shift: int, n: int, delta: bool) -> None:
+    trainer = _model(n)
+    sender = WeightSyncScheme(_moved_transport(shift)(), delta=delta, timeout=30.0)
+    sender.init_on_sender(model=trainer, num_workers=1)
+    worker = _model(n)
+    receiver = WeightSyncScheme(sender.transport, delta=delta, timeout=30.0)
+    receiver.init_on_receiver(model=worker, worker_idx=0)
+    connecting = threading.Thread(target=receiver.connect)
+    connecting.start()
+    sender.connect()
+    connecting.join()
+    try:
+        for v in (1.0, 2.0, 3.0):
+            _fill(trainer, v)
+            if v == 3.0:
+                trainer["c"][0] += 1j  # a delta of one element
+            handle = sender.send_async()
+            assert receiver.receive(timeout=30.0) == handle.wait()
+            for key, t in worker.items():
+                assert torch.equal(t, trainer[key]), (key, v)
+                assert t.data_ptr() % t.element_size() == 0, key
+                t.sum()  # a typed read of what the model holds
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
