@@ -151,6 +151,41 @@ def test_keys_send_is_previous_version_plus_those_keys(cluster) -> None:
         c.stop()
 
 
+class _Tied(torch.nn.Module):
+    """An embedding tied to the output layer, and a buffer that is a slice of a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.out = torch.nn.Linear(8, 20, bias=False)
+        self.out.weight = self.emb.weight
+        self.big = torch.nn.Parameter(torch.zeros(16))
+        self.register_buffer("part", self.big.data[4:10])
+
+
+@pytest.mark.parametrize("key", ["emb.weight", "out.weight", "part", "big"])
+@pytest.mark.parametrize("delta", [False, True])
+def test_keys_send_of_one_key_of_memory_shared_sends_every_key_sharing_it(cluster, key: str, delta: bool) -> None:
+    """send(keys=[k]) where k shares memory with other keys (a tie, a view): the worker holds the
+    trainer's new values under every key, whichever is named (an entry left out wrote its old bytes
+    over the new ones: the worker acked the version holding the old tied weights)."""
+    torch.manual_seed(0)
+    trainer = _Tied()
+    c = cluster(n=1, model=trainer, make=lambda i: _Tied(), delta=delta)
+    worker = c.receivers[0].model
+    for step in (1.0, 2.0):
+        with torch.no_grad():
+            trainer.emb.weight.fill_(step)
+            trainer.big.fill_(10 + step)
+        c.sender.send(keys=[key])
+        changed = {"emb.weight": "emb", "out.weight": "emb", "part": "big", "big": "big"}[key]
+        want = {"emb": trainer.emb.weight, "big": trainer.big}[changed]
+        got = {"emb": worker.emb.weight, "big": worker.big}[changed]
+        assert torch.equal(got, want), (key, step)
+        assert worker.out.weight is worker.emb.weight
+        assert torch.equal(worker.part, worker.big.detach()[4:10])
+
+
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
 def test_wire_dtype_is_cast_then_back(cluster, wire) -> None:
     weights = model_of(5)

@@ -175,6 +175,8 @@ class Sender:
         targets = self._targets(worker_ids)
         chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
+        if chosen is not None:
+            chosen = _with_aliases(chosen, tensors)
         plain = self.layout.ready(tensors, write=False)  # the common case in one pass
         if not plain and weights is None:
             self.layout.check_fits(tensors, mine="model at init_on_sender", theirs="model now",
@@ -551,6 +553,29 @@ class Sender:
                 detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
                 raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "
                                       f"(updated: {[w for w in targets if w not in missing]}):\n{detail}", dead)
+
+
+def _with_aliases(keys: list[str], tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """``keys`` and every key whose memory overlaps theirs, and so on (a tie, a view, a slice):
+    sorted. A worker writes a payload's entries one after another, so an entry left out would
+    write its previous bytes over memory a sent one shares."""
+    spans: dict[tuple[torch.device, int], list[tuple[str, int, int]]] = {}
+    for key, t in tensors.items():
+        if t.numel():
+            start = t.storage_offset() * t.element_size()
+            reach = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride())) + 1
+            spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
+                (key, start, start + reach * t.element_size()))
+    chosen = set(keys)
+    for group in spans.values():
+        grown = len(group) > 1
+        while grown:
+            grown = False
+            for key, a, b in group:
+                if key not in chosen and any(k in chosen and a < y and x < b for k, x, y in group):
+                    chosen.add(key)
+                    grown = True
+    return sorted(chosen)
 
 
 def _index(value: object) -> int | None:
