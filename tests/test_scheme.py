@@ -545,3 +545,36 @@ def test_version_after_shutdown_is_the_one_the_model_keeps() -> None:
     r.shutdown()
     s.shutdown()
     assert (s.version, r.version) == (1, 1) and s.state == r.state == "shut down"
+
+
+def test_a_lazily_stacked_tensordict_is_refused_as_a_worker_s_model_and_read_as_a_trainer_s() -> None:
+    """A LazyStackedTensorDict stacks its entries anew on every read: written into, it would never
+    change (the worker acked versions it did not hold). A worker is refused it at init, at its root
+    or under a key, naming where; a trainer may send from one."""
+    from tensordict import LazyStackedTensorDict
+
+    def lazy() -> LazyStackedTensorDict:
+        return LazyStackedTensorDict(TensorDict({"w": torch.zeros(3)}, []), TensorDict({"w": torch.zeros(3)}, []),
+                                     stack_dim=0)
+
+    for model, where in ((lazy(), "the model is"), (TensorDict({"heads": lazy()}, []), "entry 'heads' is")):
+        scheme = WeightSyncScheme("inproc")
+        with pytest.raises(TypeError, match=f"{where} a LazyStackedTensorDict"):
+            scheme.init_on_receiver(model=model, worker_idx=0)
+        assert scheme.state == "new"
+    trainer = lazy()
+    trainer[0]["w"].fill_(2.0)
+    s = WeightSyncScheme("inproc", timeout=10.0)
+    s.init_on_sender(model=trainer, num_workers=1)
+    r = pickle.loads(pickle.dumps(s))
+    worker = lazy().contiguous()
+    r.init_on_receiver(model=worker, worker_idx=0)
+    connecting = threading.Thread(target=r.connect)
+    connecting.start()
+    s.connect()
+    connecting.join()
+    try:
+        assert torch.equal(worker["w"], torch.stack([torch.full((3,), 2.0), torch.zeros(3)]))
+    finally:
+        r.shutdown()
+        s.shutdown()

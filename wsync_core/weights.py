@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a work
     from tensordict import TensorDictBase
 
 __all__ = ["Strategy", "Weights", "STRATEGIES", "is_tensordict", "flatten", "check_strategy", "meta_keys",
-           "materialize",
+           "materialize", "check_holds_writes",
            "restore_extra_state", "EXTRA_STATE", "device_of"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
@@ -92,6 +92,22 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
         f"weights must be an nn.Module, a TensorDict or a state_dict (mapping of str to tensor), "
         f"got {type(weights).__name__}"
     )
+
+
+def check_holds_writes(weights: Any) -> None:
+    """Raise TypeError if ``weights`` cannot hold what is written into it: a lazily stacked
+    TensorDict (at its root or under a key) stacks its entries anew on every read, so a write to
+    what it hands out lands in a copy and the model never changes."""
+    if not is_tensordict(weights):
+        return
+    lazy = [""] if weights._lazy else []
+    lazy += [key if isinstance(key, str) else ".".join(key)
+             for key, value in weights.items(include_nested=True) if is_tensordict(value) and value._lazy]
+    if lazy:
+        where = "the model" if lazy == [""] else "the model's entry " + ", ".join(repr(k) for k in lazy if k)
+        raise TypeError(f"{where} is a LazyStackedTensorDict: its entries are stacked anew on every read, so "
+                        f"received weights would land in copies; give the worker a dense TensorDict "
+                        f"(e.g. its .contiguous()) to receive into")
 
 
 def _maybe_detach(t: torch.Tensor, detach: bool) -> torch.Tensor:
