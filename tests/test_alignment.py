@@ -1,7 +1,8 @@
-"""A delivery's payload may sit at any address (zmq's frame right after its header does): the
-receiver reads it exactly, adopts nothing there that its dtypes cannot be read from, and never
-crashes the worker (a typed torch copy of complex128 from an address that is not a multiple of 16
-ended it with SIGSEGV)."""
+"""What a transport hands the receiver as a payload. It may sit at any address (zmq's frame right
+after its header does): the receiver reads it exactly, adopts nothing there that its dtypes cannot
+be read from, and never crashes the worker (a typed torch copy of complex128 from an address that
+is not a multiple of 16 ended it with SIGSEGV). One that is not a flat contiguous uint8 tensor is
+the transport's fault: TransportError naming it, the model untouched."""
 
 from __future__ import annotations
 
@@ -77,4 +78,56 @@ def test_a_payload_at_any_address_is_applied_exactly(shift: int, n: int, delta: 
                 t.sum()  # a typed read of what the model holds
     finally:
         receiver.shutdown()
+        sender.shutdown()
+
+
+class _Strided(_Receiver):
+    """Hands every payload over as a strided view (every other byte of a buffer twice its size)."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        room = torch.zeros(2 * delivery.payload.numel(), dtype=torch.uint8)
+        room[::2] = delivery.payload
+        return Delivery(delivery.header, room[::2])
+
+
+class _Int8(_Receiver):
+    """Hands every payload over as int8."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        return None if delivery is None else Delivery(delivery.header, delivery.payload.view(torch.int8))
+
+
+@pytest.mark.parametrize("receiver", [_Strided, _Int8])
+def test_a_payload_that_is_not_flat_contiguous_uint8_is_named_and_changes_nothing(receiver: type) -> None:
+    transport = type("Odd", (InprocTransport,), {"name": "odd", "receiver": lambda self, ctx: receiver(self, ctx)})
+    sender = WeightSyncScheme(transport(), timeout=5.0)
+    sender.init_on_sender(model=_model(4), num_workers=1)
+    worker = _model(4)
+    before = {k: t.clone() for k, t in worker.items()}
+    scheme = WeightSyncScheme(sender.transport, timeout=5.0)
+    scheme.init_on_receiver(model=worker, worker_idx=0)
+    errors = []
+
+    def connect() -> None:
+        try:
+            scheme.connect()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    connecting = threading.Thread(target=connect)
+    connecting.start()
+    try:
+        with pytest.raises(Exception, match="rejected version 0"):
+            sender.connect()
+        connecting.join()
+        assert errors and "a payload is a flat contiguous uint8 tensor" in str(errors[0]), errors
+        assert type(errors[0]).__name__ == "TransportError"
+        assert all(torch.equal(worker[k], before[k]) for k in worker)
+    finally:
+        connecting.join()
+        scheme.shutdown()
         sender.shutdown()

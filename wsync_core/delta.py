@@ -503,14 +503,15 @@ def decode_table(table: Any, layout: Layout, wire: Layout, nbytes: int, where: s
 
 
 def check_indices(ops: Sequence[Op], payload: torch.Tensor, where: str) -> list[torch.Tensor | None]:
-    """Each sparse section's indices (int32, a view of the payload), checked strictly ascending
+    """Each sparse section's indices (int32, copied out of the payload: what is checked is what is
+    used, whatever a faulty transport writes to its buffer meanwhile), checked strictly ascending
     and inside its tensor; None for a whole section. Raises TransportError for any index out of place."""
     out: list[torch.Tensor | None] = []
     for op in ops:
         if op.count < 0:
             out.append(None)
             continue
-        idx = payload[op.offset:op.offset + op.count * INDEX_BYTES].view(torch.int32)
+        idx = payload[op.offset:op.offset + op.count * INDEX_BYTES].view(torch.int32).clone()
         numel = _numel(op.entry)
         if native.usable(idx):
             ok = native.ascending(idx, numel)

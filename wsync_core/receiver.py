@@ -265,11 +265,9 @@ class Receiver:
                                       f"model's {layout.digest[:12]}")
         if header.encoded:
             return self._apply_encoded(delivery, header, where)
-        payload = delivery.payload
-        if (header.nbytes != layout.nbytes or not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8
-                or payload.dim() != 1 or payload.numel() != layout.nbytes):
-            size = payload.numel() if isinstance(payload, torch.Tensor) else "no tensor"
-            raise TransportError(f"{where}: payload has {size} bytes (header says {header.nbytes}), "
+        payload = _checked_payload(delivery, where)
+        if header.nbytes != layout.nbytes or payload.numel() != layout.nbytes:
+            raise TransportError(f"{where}: payload has {payload.numel()} bytes (header says {header.nbytes}), "
                                  f"expected {layout.nbytes}")
         if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
@@ -308,12 +306,11 @@ class Receiver:
         if header.wire is not None and header.wire not in WIRE_DTYPES:
             raise TransportError(f"{where}: unknown wire dtype {header.wire!r}")
         wire = wire_layout(layout, header.wire)
-        payload = delivery.payload
-        size = payload.numel() if isinstance(payload, torch.Tensor) else -1
-        if (not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1
-                or payload.device.type == "meta" or not header.nbytes <= size <= layout.nbytes):
-            raise TransportError(f"{where}: payload has {size if size >= 0 else 'no tensor'} bytes (header says "
-                                 f"{header.nbytes}, at most {layout.nbytes})")
+        payload = _checked_payload(delivery, where)
+        size = payload.numel()
+        if payload.device.type == "meta" or not header.nbytes <= size <= layout.nbytes:
+            raise TransportError(f"{where}: payload has {size} bytes (header says {header.nbytes}, at most "
+                                 f"{layout.nbytes})")
         payload = payload[:header.nbytes]
         if header.checksum is not None and checksum(payload) != header.checksum:
             raise TransportError(f"{where}: payload checksum mismatch (damaged in transit)")
@@ -382,6 +379,20 @@ class _Adopted:
                 if t.data_ptr() == ptr:
                     t.data = t.data.clone()
         self.tensors = {}
+
+
+def _checked_payload(delivery: Delivery, where: str) -> torch.Tensor:
+    """The delivery's payload if it is what the interface says, a flat contiguous uint8 tensor;
+    else TransportError naming what it is (the transport's fault)."""
+    payload = delivery.payload
+    if not isinstance(payload, torch.Tensor):
+        raise TransportError(f"{where}: the transport delivered a {type(payload).__name__} as the payload, "
+                             f"not a tensor")
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise TransportError(f"{where}: the transport delivered a payload of dtype {payload.dtype}, shape "
+                             f"{list(payload.shape)}, strides {list(payload.stride())}: a payload is a flat "
+                             f"contiguous uint8 tensor")
+    return payload
 
 
 def _realigned(payload: torch.Tensor, delivery: Delivery) -> torch.Tensor:
