@@ -578,3 +578,57 @@ def test_a_lazily_stacked_tensordict_is_refused_as_a_worker_s_model_and_read_as_
     finally:
         r.shutdown()
         s.shutdown()
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        if tie:
+            self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("wire_dtype", [None, torch.bfloat16])
+def test_a_tie_only_the_worker_has_is_named_and_changes_nothing(wire_dtype) -> None:
+    """The worker's emb.weight and out.weight are one tensor, the trainer's are two with other
+    values: the worker cannot hold both, so the first version is refused (SchemaMismatchError
+    naming both keys), its model untouched; tied on both sides, or only on the trainer's, is exact."""
+    for trainer_tied, worker_tied in ((False, True), (True, True), (True, False)):
+        trainer = _Net(trainer_tied)
+        with torch.no_grad():
+            trainer.emb.weight.fill_(1.0)
+            trainer.out.weight.fill_(1.0 if trainer_tied else 2.0)
+        s = WeightSyncScheme("inproc", timeout=5.0, wire_dtype=wire_dtype)
+        s.init_on_sender(model=trainer, num_workers=1)
+        worker = _Net(worker_tied)
+        before = {k: v.clone() for k, v in worker.state_dict().items()}
+        r = pickle.loads(pickle.dumps(s))
+        r.init_on_receiver(model=worker, worker_idx=0)
+        errors = []
+
+        def connect(r=r, errors=errors) -> None:
+            try:
+                r.connect()
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        connecting = threading.Thread(target=connect)
+        connecting.start()
+        try:
+            if trainer_tied or not worker_tied:
+                s.connect()
+                connecting.join()
+                assert not errors and torch.equal(worker.emb.weight, trainer.emb.weight)
+                assert torch.equal(worker.out.weight, trainer.out.weight)
+                continue
+            with pytest.raises(SchemaMismatchError, match="rejected version 0"):
+                s.connect()
+            connecting.join()
+            assert errors and isinstance(errors[0], SchemaMismatchError), errors
+            assert "'emb.weight' and 'out.weight' are one tensor in this worker's model" in str(errors[0])
+            assert all(torch.equal(worker.state_dict()[k], v) for k, v in before.items())
+        finally:
+            connecting.join()
+            r.shutdown()
+            s.shutdown()

@@ -182,6 +182,10 @@ class Layout:
                 out.append(f"{key!r}: dtype {a.dtype} on the {mine}, {b.dtype} on the {theirs}")
         return out
 
+    def entry(self, key: str) -> Entry:
+        """The entry of ``key``; KeyError if this layout has none."""
+        return self._by_key[key]
+
     def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """True if ``tensors`` have exactly this layout's keys, dtypes and shapes (cheap: no hashing)."""
         if len(tensors) != len(self.entries):

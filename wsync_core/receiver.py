@@ -71,6 +71,8 @@ class Receiver:
         self._as_applied: list[tuple[int, int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1
+        #: the sender whose first full payload was checked against the model's ties (``_check_ties``)
+        self._ties_checked: str | None = None
 
     @property
     def versions_behind(self) -> int:
@@ -282,6 +284,9 @@ class Receiver:
                 materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
                 targets = flatten(self.source, self.strategy, detach=False)
             layout.check_writable(targets, context=where)
+        if header.session != self._ties_checked:
+            _check_ties(targets, payload, layout, where)
+            self._ties_checked = header.session
         if adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
@@ -334,6 +339,9 @@ class Receiver:
             materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
             targets = flatten(self.source, self.strategy, detach=False)
         layout.check_writable(targets, context=where)
+        if ops is None and header.session != self._ties_checked:
+            _check_ties(targets, payload, wire, where)
+            self._ties_checked = header.session
         if ops is None:
             unpack_wire(wire, payload, targets)
         else:
@@ -379,6 +387,26 @@ class _Adopted:
                 if t.data_ptr() == ptr:
                     t.data = t.data.clone()
         self.tensors = {}
+
+
+def _check_ties(targets: Mapping[str, torch.Tensor], payload: torch.Tensor, layout: Layout, where: str) -> None:
+    """Raise SchemaMismatchError if two keys that are one tensor in the worker's model (tied: the
+    same memory, shape and strides) come with different bytes: the model could hold only one of
+    them (the sender's are not tied). Checked on a sender's first full payload."""
+    tied: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for key, t in targets.items():
+        if t.numel() and t.device.type != "meta":
+            tied.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append(key)
+    for keys in tied.values():
+        if len(keys) < 2:
+            continue
+        first = layout.entry(keys[0])
+        for key in keys[1:]:
+            e = layout.entry(key)
+            if not torch.equal(payload[first.offset:first.offset + first.nbytes], payload[e.offset:e.offset + e.nbytes]):
+                raise SchemaMismatchError(
+                    f"{where}: {keys[0]!r} and {key!r} are one tensor in this worker's model (tied) but the "
+                    f"sender's differ; tie them in the trainer's model too, or untie them in the worker's")
 
 
 def _checked_payload(delivery: Delivery, where: str) -> torch.Tensor:
