@@ -562,6 +562,10 @@ def test_a_lazily_stacked_tensordict_is_refused_as_a_worker_s_model_and_read_as_
         with pytest.raises(TypeError, match=f"{where} a LazyStackedTensorDict"):
             scheme.init_on_receiver(model=model, worker_idx=0)
         assert scheme.state == "new"
+    uneven = LazyStackedTensorDict(TensorDict({"w": torch.zeros(3)}, []), TensorDict({"w": torch.zeros(4)}, []),
+                                   stack_dim=0)
+    with pytest.raises(TypeError, match="the TensorDict's entries cannot be read as tensors"):
+        WeightSyncScheme("inproc").init_on_sender(model=uneven, num_workers=1)
     trainer = lazy()
     trainer[0]["w"].fill_(2.0)
     s = WeightSyncScheme("inproc", timeout=10.0)
@@ -632,3 +636,38 @@ def test_a_tie_only_the_worker_has_is_named_and_changes_nothing(wire_dtype) -> N
             connecting.join()
             r.shutdown()
             s.shutdown()
+
+
+def test_weights_on_the_meta_device_are_refused_at_init_and_at_send_by_name() -> None:
+    """Meta tensors hold no data: init_on_sender() refuses them, and so does a send() after the
+    trainer put one in its model, naming it (not torch's "Cannot copy out of meta tensor"), with
+    no version used; once the tensor is real again the next send is version 1."""
+    with pytest.raises(ValueError, match=r"init_on_sender\(\): the weights to send are on the meta device .*'weight'"):
+        WeightSyncScheme("inproc").init_on_sender(model=torch.nn.Linear(2, 2, device="meta"), num_workers=1)
+    trainer = torch.nn.Linear(2, 2)
+    s = WeightSyncScheme("inproc", timeout=5.0)
+    s.init_on_sender(model=trainer, num_workers=1)
+    r = pickle.loads(pickle.dumps(s))
+    worker = torch.nn.Linear(2, 2)
+    r.init_on_receiver(model=worker, worker_idx=0)
+    connecting = threading.Thread(target=r.connect)
+    connecting.start()
+    s.connect()
+    connecting.join()
+    try:
+        real = trainer.weight
+        trainer.weight = torch.nn.Parameter(torch.empty(2, 2, device="meta"))
+        with pytest.raises(ValueError, match=r"send\(\): the weights to send are on the meta device .*'weight'"):
+            s.send()
+        assert s.version == 0
+        trainer.weight = real
+        with torch.no_grad():
+            real.fill_(3.0)
+        receiving = threading.Thread(target=r.receive, kwargs={"timeout": 5.0})
+        receiving.start()
+        assert s.send() == 1
+        receiving.join()
+        assert torch.equal(worker.weight, real)
+    finally:
+        r.shutdown()
+        s.shutdown()

@@ -84,11 +84,7 @@ class Sender:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         tensors = flatten(source, strategy)
-        meta = meta_keys(tensors)
-        if meta:
-            raise ValueError(f"init_on_sender(): the weights to send are on the meta device and hold no data "
-                             f"({clip_keys(meta)}); materialize them (e.g. module.to_empty(device=...) and load "
-                             f"real values) before sending")
+        _refuse_meta(tensors, "init_on_sender()")
         self.layout = Layout.of(tensors)
         self.endpoint: SenderEndpoint = transport.sender(SenderContext(num_workers, self.layout, model_id,
                                                                        device_of(tensors)))
@@ -184,6 +180,8 @@ class Sender:
         elif not plain:
             self.layout.check_fits(tensors, mine="trainer's model", theirs="weights given to send()",
                                    context="send(weights=...)")
+        if not plain:
+            _refuse_meta(tensors, "send()")
         self._pump(POLL)
         version = self._publish_new(tensors, targets, deadline, version=self.version + 1, keys=chosen, plain=plain)
         return SendHandle(self, wait, version, targets)
@@ -553,6 +551,14 @@ class Sender:
                 detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
                 raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "
                                       f"(updated: {[w for w in targets if w not in missing]}):\n{detail}", dead)
+
+
+def _refuse_meta(tensors: Mapping[str, torch.Tensor], call: str) -> None:
+    """Raise ValueError naming the tensors on the meta device: they hold no data to send."""
+    meta = meta_keys(tensors)
+    if meta:
+        raise ValueError(f"{call}: the weights to send are on the meta device and hold no data ({clip_keys(meta)}); "
+                         f"materialize them (e.g. module.to_empty(device=...) and load real values) before sending")
 
 
 def _with_aliases(keys: list[str], tensors: Mapping[str, torch.Tensor]) -> list[str]:

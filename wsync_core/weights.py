@@ -69,11 +69,14 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
         return out
     if is_tensordict(weights):
         out = {}
-        for key, value in weights.items(include_nested=True, leaves_only=True):
-            name = key if isinstance(key, str) else ".".join(key)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
-            out[name] = _maybe_detach(value, detach)
+        try:
+            for key, value in weights.items(include_nested=True, leaves_only=True):
+                name = key if isinstance(key, str) else ".".join(key)
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
+                out[name] = _maybe_detach(value, detach)
+        except RuntimeError as exc:  # a lazy stack of entries that do not stack (other shapes)
+            raise TypeError(f"the TensorDict's entries cannot be read as tensors: {exc}") from exc
         return out
     if isinstance(weights, Mapping):
         out = {}
