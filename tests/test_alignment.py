@@ -131,3 +131,24 @@ def test_a_payload_that_is_not_flat_contiguous_uint8_is_named_and_changes_nothin
         connecting.join()
         scheme.shutdown()
         sender.shutdown()
+
+
+def test_a_send_buffer_at_a_misaligned_address_is_named_before_anything_is_packed() -> None:
+    """acquire() must hand out a flat contiguous uint8 tensor at a multiple of 64: one a byte off
+    (a typed copy of complex128 into it could crash the trainer) fails the send by name."""
+    from wsync_core import Buffer, TransportError
+    from wsync_core.inproc import _Sender
+
+    class _OffByOne(_Sender):
+        def acquire(self, deadline):
+            buffer = super().acquire(deadline)
+            room = torch.empty(buffer.tensor.numel() + 64, dtype=torch.uint8)
+            start = -room.data_ptr() % 64 + 1
+            return Buffer(room[start:start + buffer.tensor.numel()])
+
+    transport = type("OffByOne", (InprocTransport,), {"name": "offbyone", "sender": lambda self, ctx: _OffByOne(self, ctx)})
+    sender = WeightSyncScheme(transport(), timeout=5.0)
+    sender.init_on_sender(model=_model(4), num_workers=1)
+    with pytest.raises(TransportError, match=r"acquire\(\) returned a buffer of dtype torch.uint8.*multiple of 64"):
+        sender.connect()
+    sender.shutdown()

@@ -23,7 +23,7 @@ import torch
 from .deadline import POLL, Deadline
 from .delta import Costs, Mirror, wire_layout
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedError, WorkerTimeoutError, WsyncError
-from .layout import Layout, clip_keys
+from .layout import ALIGN, Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
@@ -186,6 +186,20 @@ class Sender:
         version = self._publish_new(tensors, targets, deadline, version=self.version + 1, keys=chosen, plain=plain)
         return SendHandle(self, wait, version, targets)
 
+    def _acquire(self, deadline: Deadline) -> Buffer:
+        """The endpoint's ``acquire()``, checked: a buffer the layout can be packed into (a typed copy
+        to a misaligned address can crash the process). Raises TransportError naming the transport."""
+        buffer = self.endpoint.acquire(deadline)
+        t = buffer.tensor
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous()
+                or t.numel() < self.layout.nbytes or t.data_ptr() % ALIGN):
+            what = (f"dtype {t.dtype}, shape {list(t.shape)}, strides {list(t.stride())}, address {t.data_ptr():#x}"
+                    if isinstance(t, torch.Tensor) else f"a {type(t).__name__}")
+            raise TransportError(f"{self.transport!r}: acquire() returned a buffer of {what}; it must be a flat "
+                                 f"contiguous uint8 tensor of at least {self.layout.nbytes} bytes at an address "
+                                 f"that is a multiple of {ALIGN}")
+        return buffer
+
     def _keys(self, keys: Iterable[str] | None) -> list[str] | None:
         """``keys`` checked against the layout, sorted; raises ValueError for none or an unknown one."""
         if keys is None:
@@ -231,7 +245,7 @@ class Sender:
             return self._publish_encoded(tensors, targets, deadline, version, keys, probe=choice == "probe")
         endpoint = self.endpoint
         t0 = time.perf_counter()
-        buffer = endpoint.acquire(deadline)
+        buffer = self._acquire(deadline)
         tensor = buffer.tensor
         step = endpoint.stream_bytes
         if step > 0 and not self.transport.checksum:  # a checksum needs the whole payload first
@@ -305,7 +319,7 @@ class Sender:
                         self._timed.popitem(last=False)
         published: list[tuple[Buffer, Header, list[int]]] = []
         for ws, pack in payloads:
-            buffer = self.endpoint.acquire(deadline)
+            buffer = self._acquire(deadline)
             header, used = pack(buffer.tensor)
             if buffer.tensor.is_cuda:
                 torch.cuda.current_stream(buffer.tensor.device).synchronize()
@@ -389,7 +403,7 @@ class Sender:
         if not workers or self.mirror is None or self.mirror.version != self.version or self.version < 0:
             return
         try:
-            buffer = self.endpoint.acquire(Deadline(_FULL_ACQUIRE_S))
+            buffer = self._acquire(Deadline(_FULL_ACQUIRE_S))
         except WorkerTimeoutError as exc:
             log.warning("workers %s get version %d at the next send: %s", workers, self.version, exc)
             return

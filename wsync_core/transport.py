@@ -225,7 +225,8 @@ class SenderEndpoint(ABC):
 
     @abstractmethod
     def acquire(self, deadline: Deadline) -> Buffer:
-        """A ``Buffer`` whose ``tensor`` (contiguous uint8, ``layout.nbytes`` bytes) the core may overwrite now.
+        """A ``Buffer`` whose ``tensor`` (contiguous uint8, ``layout.nbytes`` bytes, at an address
+        that is a multiple of 64, as torch's and mmap's are) the core may overwrite now.
 
         Raises WorkerTimeoutError if no buffer frees up by the deadline.
         """
