@@ -528,6 +528,69 @@ StaleQueued = _transport("StaleQueued", sender=_StaleQueued, receiver=_StaleQueu
 BROKEN["StaleQueued"] = "live"
 SELECT["StaleQueued"] = "test_faults_slow_worker_gets_newest"
 
+# -- an audit of a third-party transport: four bugs the suite passed ------------------------------
+
+
+class _RingIgnoresHolders(_Sender):
+    """Three buffers used in turn, whoever still holds one: never the last published, but a subset
+    send hands out again the buffer a skipped worker holds, or has waiting for it unread."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.ring = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(3)]
+        self.turn = -1
+
+    def acquire(self, deadline) -> Buffer:
+        self.turn = (self.turn + 1) % len(self.ring)
+        return self.ring[self.turn]
+
+
+class _EmptyIsNone(_Receiver):
+    """Takes a payload of 0 bytes (a model whose every tensor is empty) for nothing received."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None or delivery.payload.numel() == 0:
+            return None
+        return delivery
+
+
+class _ReversedEvents(_Sender):
+    """poll() returns the events it gathered last first: a worker's Left before its acks, its
+    re-Joined before its Left."""
+
+    def poll(self, deadline):
+        return list(reversed(super().poll(deadline)))
+
+
+class _HoardsBuffers(_Sender):
+    """acquire() allocates a new buffer every time and keeps every one until close."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.hoard: list[Buffer] = []
+
+    def acquire(self, deadline) -> Buffer:
+        buffer = super().acquire(deadline)
+        self.hoard.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        self.hoard.clear()
+        super().close()
+
+
+RingIgnoresHolders = _transport("RingIgnoresHolders", sender=_RingIgnoresHolders)
+EmptyIsNone = _transport("EmptyIsNone", receiver=_EmptyIsNone)
+ReversedEvents = _transport("ReversedEvents", sender=_ReversedEvents)
+HoardsBuffers = _transport("HoardsBuffers", sender=_HoardsBuffers)
+BROKEN.update(RingIgnoresHolders="isolated", EmptyIsNone="exact", ReversedEvents="live", HoardsBuffers="live")
+SELECT.update(RingIgnoresHolders="test_endpoint_acquire_never_returns_a_buffer_in_use",
+              EmptyIsNone="test_exact_empty_model",
+              ReversedEvents="test_endpoint_events_in_order",
+              HoardsBuffers="test_endpoint_sender_memory_bounded")
+__all__ += ["RingIgnoresHolders", "EmptyIsNone", "ReversedEvents", "HoardsBuffers"]
+
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport
     from wsync_tcp import _Receiver as _TcpReceiver

@@ -2,11 +2,13 @@
 no scheme): the rules of ``wsync_core.transport`` a transport keeps, each checked directly.
 
 - what ``acquire`` may return: a ``Buffer`` of ``layout.nbytes`` bytes, never the last published
-  one, never one a receiver still reads;
+  one, never one a receiver still reads (also one a subset send skipped);
 - what ``publish`` delivers: a buffer's first ``used`` bytes, exactly (with ``prefix_publish``);
 - newest wins: a newer publish is never dropped in favour of an older queued one;
 - ``Joined``/``Acked``/``Left``: Left when a receiver closes or its process dies;
 - reconnect under the same index: a restarted worker is served;
+- events in order for each worker: its acks before its Left, its Left before its new Joined;
+- a sender whose workers keep up does not grow (resident memory);
 - size checks: a payload of the wrong size never reaches the core as a valid delivery;
 - deadlines: ``open``/``acquire``/``poll``/``recv`` return by their deadline, ``publish`` at once;
 - ``close`` from any state: before open, after open, twice, mid-stream.
@@ -18,7 +20,9 @@ driven by JSON commands; payload digests are computed there by the suite (SHA-25
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -34,8 +38,9 @@ from wsync_core.weights import flatten
 from .. import harness
 from ..context import Context
 from ..guarantees import GuaranteeViolation, capability, guarantee, violated
-from ..models import ModelSpec, build, version_spec
+from ..models import ModelSpec, TensorSpec, build, version_spec
 from .base import SLACK_S, budget
+from .faults import rss_bytes
 
 __all__ = ["EndpointChecks", "Endpoints"]
 
@@ -65,6 +70,7 @@ class Endpoints:
         self.workers = wsync.workers(n)
         self.receiver_specs: dict[int, ModelSpec] = {}  # a worker's own model, where it differs from the sender's
         self.events: list[Event] = []
+        self.log: list[Event] = []  # every event polled, in order (``events`` is pruned by wait_for)
         self.published: dict[int, str] = {}  # version -> payload digest
         self.last: Buffer | None = None
 
@@ -125,6 +131,7 @@ class Endpoints:
         if took > timeout + SLACK_S:
             raise violated("live", f"SenderEndpoint.poll(deadline of {timeout:g} s) returned after {took:.1f} s")
         self.events.extend(got)
+        self.log.extend(got)
         return got
 
     def wait_for(self, match: Callable[[Event], bool], workers: list[int], what: str,
@@ -181,8 +188,58 @@ def check_buffer(buffer: Any, nbytes: int, last: Buffer | None) -> None:
                                        "the core would overwrite a payload that receivers may still read")
 
 
+def _resident() -> int | None:
+    """This process's resident memory (``faults.rss_bytes``), after handing the C allocator's free
+    memory back to the system where it can (glibc's ``malloc_trim``): what is counted is memory in
+    use, not free memory an earlier temporary left resident (which a growing sender would fill
+    first, unseen)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+    return rss_bytes()
+
+
+_malloc_trim: Any = None
+
+
 def _version_of(delivery: dict[str, Any]) -> int:
     return Header.decode(base64.b64decode(delivery["header"])).version
+
+
+#: subset sends that skip a worker holding one delivery with another waiting for it (more than
+#: any small ring of buffers)
+SUBSET_SENDS = 6
+#: the memory check: model size (MiB), sends before the measure starts, sends measured, and the
+#: growth allowed (model sizes: the sender's pool of buffers, 2 * num_workers + 2 at most, plus
+#: allocator slack; a sender keeping every buffer grows by one model size per send)
+MEMORY_MIB, MEMORY_WARMUP, MEMORY_SENDS, MEMORY_BOUND = 2.0, 6, 40, 10
+
+
+def _receive(e: Endpoints, i: int, version: int, *, check: bool = True) -> dict[str, Any]:
+    """Receiver ``i`` receives (releasing and acking each delivery) until it gets ``version``;
+    each delivery holds the bytes published under its header (``check``: else the caller checks
+    ``version``'s). Raises under "live" if ``version`` does not come within a timeout."""
+    deadline = Deadline(e.ctx.timeout)
+    got = None
+    while not deadline.expired():
+        d = e.recv(i, deadline.remaining())["delivery"]
+        if d is None:
+            break
+        got = _version_of(d)
+        if got == version:
+            if check and d["digest"] != e.published.get(got):
+                raise violated("isolated", f"worker {i}'s delivery of version {got} does not hold the bytes "
+                                           f"published under it")
+            return d
+        if d["digest"] != e.published.get(got):
+            raise violated("isolated", f"worker {i}'s delivery of version {got} does not hold the bytes published "
+                                       f"under it")
+    raise violated("live", f"receiver endpoint {i} got {got} instead of version {version} within {e.ctx.timeout:g} s")
 
 
 class EndpointChecks:
@@ -190,10 +247,12 @@ class EndpointChecks:
 
     @guarantee("isolated")
     def test_endpoint_acquire_never_returns_a_buffer_in_use(self, wsync: Context) -> None:
-        """Each acquire() returns a buffer that is neither the last one published nor one the
+        """Each acquire() returns a buffer that is neither the last one published nor one a
         receiver still holds: the receiver's held delivery keeps its bytes while the next version
-        is written."""
-        e = Endpoints(wsync, 1)
+        is written. Then (with subset_send) worker 0 keeps version 7 and leaves version 8 unread
+        while six versions go to worker 1 alone: both still hold their own bytes (a ring of buffers
+        that ignores who holds them hands one out again)."""
+        e = Endpoints(wsync, 2)
         e.connect()
         held: dict[int, str] = {}
         for v in range(1, 7):
@@ -222,6 +281,32 @@ class EndpointChecks:
                 e.workers[0].request("ep_release").raise_for_error("ep_release")
             if got != v:
                 raise violated("live", f"the receiver endpoint got {got} instead of version {v} within {wsync.timeout} s")
+        e.workers[0].request("ep_release").raise_for_error("ep_release")
+        if not wsync.caps.subset_send:
+            return
+        # subset sends skip worker 0 while it holds version 7 and version 8 waits unread for it:
+        # neither buffer may come back from acquire() for the versions that go to worker 1 alone
+        e.publish(7, [0, 1])
+        d = e.recv(0, wsync.timeout, keep=True)["delivery"]
+        if d is None or _version_of(d) != 7 or d["digest"] != e.published[7]:
+            raise violated("isolated", f"worker 0 did not get version 7 with its bytes: "
+                                       f"{None if d is None else _version_of(d)}")
+        _receive(e, 1, 7)
+        e.publish(8, [0, 1])  # worker 0 leaves it unread
+        _receive(e, 1, 8)
+        for v in range(9, 9 + SUBSET_SENDS):
+            e.publish(v, [1])
+            _receive(e, 1, v)
+        now = e.workers[0].request("ep_held").raise_for_error("ep_held")["digests"]
+        if now != [e.published[7]]:
+            raise violated("isolated", f"versions 9..{8 + SUBSET_SENDS} went to worker 1 alone and changed the payload "
+                                       f"of version 7 that worker 0 still holds: acquire() returned its buffer")
+        e.workers[0].request("ep_release").raise_for_error("ep_release")
+        got = _receive(e, 0, 8, check=False)
+        if got["digest"] != e.published[8]:
+            raise violated("isolated", f"worker 0's delivery of version 8 (waiting unread while versions "
+                                       f"9..{8 + SUBSET_SENDS} went to worker 1 alone) holds other bytes: acquire() "
+                                       f"returned a buffer still on its way to a worker the subset sends skipped")
 
     @guarantee("exact")
     def test_endpoint_publish_delivers_used_bytes(self, wsync: Context) -> None:
@@ -338,6 +423,93 @@ class EndpointChecks:
             if got != version:
                 raise violated("live", f"a worker restarted under the same index ({how}) was not served version "
                                        f"{version} (got {got})")
+
+    @guarantee("live")
+    @budget(timeouts=3)
+    def test_endpoint_events_in_order(self, wsync: Context) -> None:
+        """Events come in the order they happened for each worker: two acks then a close (no poll
+        in between) give Acked, Acked, Left, the acks unchanged and before the Left (an ack sent
+        just before closing is not lost). With late_join, a close then a reopen under the same index
+        give Left (or nothing) before the new Joined, never a Left after it (the core would take
+        the worker back for gone: every later send to it fails); the worker back is served."""
+        e = Endpoints(wsync, 1)
+        e.connect()
+        e.events.clear()
+        acks = [b'{"order": 1}', b'{"order": 2}']
+        mark = len(e.log)
+        for data in acks:
+            e.workers[0].request("ep_ack", data=base64.b64encode(data).decode()).raise_for_error("ack()")
+        e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+        e.wait_for(lambda ev: isinstance(ev, Left), [0], "Left after the receiver acked twice and closed")
+        seq = [ev for ev in e.log[mark:] if ev.worker == 0]
+        left = next(k for k, ev in enumerate(seq) if isinstance(ev, Left))
+        before = [ev.data for ev in seq[:left] if isinstance(ev, Acked)]
+        if any(isinstance(ev, Acked) for ev in seq[left:]):
+            raise violated("live", f"worker 0 acked twice, then closed: the sender endpoint reported its Left before "
+                                   f"an ack ({_names(seq)}): a worker's acks come before its Left, in the order sent")
+        if before != acks:
+            raise violated("live", f"worker 0 acked {acks}, then closed: before its Left the sender endpoint reported "
+                                   f"the acks {before} ({_names(seq)}): an ack sent just before closing is lost")
+        if not wsync.caps.late_join:
+            return
+        e.start_receiver(0)
+        e.finish_receiver(0).raise_for_error("the reopened receiver endpoint 0: open()")
+        e.wait_for(lambda ev: isinstance(ev, Joined), [0], "Joined for worker 0 back after it closed", pump=True)
+        mark = len(e.log)
+        e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+        e.start_receiver(0)
+        e.finish_receiver(0).raise_for_error("the reopened receiver endpoint 0: open()")
+        e.wait_for(lambda ev: isinstance(ev, Joined), [0], "Joined for worker 0 closed and reopened at once",
+                   pump=True)
+        e.publish(1, [0])
+        _receive(e, 0, 1)  # the sender polls meanwhile: a Left of the old connection would show by now
+        e.poll(0.2)
+        seq = [ev for ev in e.log[mark:] if ev.worker == 0 and not isinstance(ev, Acked)]
+        last = max(k for k, ev in enumerate(seq) if isinstance(ev, Joined))
+        if any(isinstance(ev, Left) for ev in seq[last:]):
+            raise violated("live", f"worker 0 closed and opened again under its index: the sender endpoint reported "
+                                   f"{_names(seq)}: a Left after the new Joined (the core takes the worker for gone, "
+                                   f"and every later send to it fails)")
+
+    @guarantee("live")
+    def test_endpoint_sender_memory_bounded(self, wsync: Context) -> None:
+        """A sender whose worker keeps up does not grow: over 40 sends of a 2 MiB model, each
+        received, released and acked, this process (the sender endpoint's, and the thread
+        receiver's for a transport without processes) grows by at most 10 model sizes (a pool of
+        buffers, 2 * num_workers + 2 at most, and allocator slack), measured as resident memory
+        (the C allocator's free memory handed back first) from the 6th send on. A sender keeping
+        every buffer until close grows by one model size per send, 80 MiB here."""
+        numel = int(MEMORY_MIB * (1 << 20)) // 4
+        e = Endpoints(wsync, 1, spec=ModelSpec("state_dict", (TensorSpec("w", (numel,), "float32"),)))
+        e.connect()
+        patterns = [_pattern(e.nbytes, seed) for seed in range(4)]
+        digests = [_sha(p) for p in patterns]
+        base = peak = None
+        for v in range(1, 1 + MEMORY_WARMUP + MEMORY_SENDS):
+            buffer = e.sender.acquire(Deadline(wsync.timeout))
+            check_buffer(buffer, e.nbytes, e.last)
+            buffer.tensor.copy_(patterns[v % len(patterns)].to(buffer.tensor.device))
+            buffer.used = e.nbytes
+            e.published[v] = digests[v % len(patterns)]
+            e.sender.publish(buffer, e.header(v), [0])
+            e.last = buffer
+            _receive(e, 0, v)
+            e.events.clear()
+            now = _resident()
+            if now is None:
+                pytest.skip("resident memory is not known here (no /proc)")
+            if v == MEMORY_WARMUP:
+                base = peak = now
+            elif base is not None:
+                peak = max(peak, now)
+        grown = peak - base
+        if os.environ.get("WSYNC_CONFORMANCE_DEBUG"):
+            print(f"sender memory: grew {grown / e.nbytes:.2f} model sizes over {MEMORY_SENDS} sends")
+        if grown > MEMORY_BOUND * e.nbytes:
+            raise violated("live", f"over {MEMORY_SENDS} sends of a {e.nbytes >> 20} MiB model, each received and "
+                                   f"acked by its worker, the sender process grew by {grown / (1 << 20):.0f} MiB "
+                                   f"({grown / e.nbytes:.1f} model sizes, at most {MEMORY_BOUND} allowed): acquire() "
+                                   f"must reuse or free the buffers workers are done with")
 
     @guarantee("safe")
     def test_endpoint_size_checks(self, wsync: Context) -> None:
@@ -464,6 +636,10 @@ class EndpointChecks:
         if reply.error:
             raise violated("clean", f"close() of a receiver holding a delivery, after its sender closed, raised "
                                     f"{reply.error}: {reply.get('message')}")
+
+
+def _names(events: list[Event]) -> str:
+    return ", ".join(type(ev).__name__ for ev in events) or "nothing"
 
 
 def _closes(label: str, close: Callable[[], None]) -> None:

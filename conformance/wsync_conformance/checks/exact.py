@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from wsync_core import WorkerTimeoutError
 
 from .. import profiles
 from ..context import Context
-from ..guarantees import capability, guarantee
+from ..guarantees import capability, guarantee, violated
 from ..models import KINDS, ModelSpec, TensorSpec, many_spec, random_values, rich_spec
 from ..strategies import model_specs, seeds, value_styles
 from .base import thorough
@@ -67,6 +68,26 @@ class ExactChecks:
                    "c": storage[10:15], "d": storage[::20]}
         assert not weights["a"].is_contiguous() and not weights["d"].is_contiguous()
         s.check(s.send(weights=weights))
+
+    @guarantee("exact")
+    def test_exact_empty_model(self, wsync: Context) -> None:
+        """A model whose every tensor has no element (a (0, 3) parameter and an empty buffer: a
+        payload of 0 bytes) connects, and sends to everyone and to one worker return, acked by
+        their targets, each worker holding exactly its version (an endpoint must deliver an empty
+        payload as a delivery, never take it for nothing received)."""
+        spec = ModelSpec("module", (TensorSpec("w", (0, 3), "float32"), TensorSpec("b", (0,), "int64", buffer=True)))
+        s = wsync.session(spec, connect=False)
+        try:
+            s.connect()
+            s.check(0)
+            s.check(s.send())
+            if wsync.caps.subset_send:
+                s.check(s.send(worker_ids=[1]), [1])
+            s.check(s.send())
+        except WorkerTimeoutError as exc:
+            raise violated("exact", f"a model whose every tensor is empty (a payload of 0 bytes): {exc} (a "
+                                    f"receiver endpoint must deliver an empty payload, not take it for nothing "
+                                    f"received)") from exc
 
     @guarantee("exact")
     def test_exact_after_worker_writes(self, wsync: Context) -> None:
