@@ -50,6 +50,18 @@ def _start(cluster: list, scheme: WeightSyncScheme, n: int, numel: int) -> list:
     return actors
 
 
+def _wait_dead(actor, within: float = 60.0) -> None:
+    """Return once ``actor`` no longer answers (a call raises RayActorError)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            ray.get(actor.wait_version.remote(-1, 0.0), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor still answers after {within:g} s")
+
+
 def _store_used() -> tuple[int, int]:
     """Bytes and objects in the cluster's object stores now (Ray's own memory stats)."""
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
@@ -69,6 +81,7 @@ def test_killed_actor_is_a_dead_worker(cluster) -> None:
         _fill(model, 1)
         assert scheme.send() == 1
         ray.kill(actors[1], no_restart=True)
+        _wait_dead(actors[1])  # (the kill is asynchronous: an actor still alive could take version 2)
         _fill(model, 2)
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError) as info:

@@ -59,10 +59,20 @@ def test_a_model_views_a_buffer_that_is_never_written_while_pinned(workers, tmp_
             assert line["lo"] == line["hi"] == line["version"], line
 
 
+class _Unreadable(torch.Tensor):
+    """A tensor whose copy raises: the core fails in the middle of writing a snapshot with it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("this tensor cannot be read")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def test_a_snapshot_abandoned_half_written_is_never_applied(workers, caplog):
-    """The core fails in the middle of writing a snapshot (a meta tensor cannot be copied) after
-    the transport started broadcasting it; the receiver never applies those bytes, and the next
-    send (same version number) arrives whole."""
+    """The core fails in the middle of writing a snapshot (a tensor's copy raises) after the
+    transport started broadcasting it; the receiver never applies those bytes, and the next send
+    (same version number) arrives whole."""
     scheme = WeightSyncScheme("distributed", timeout=90.0, heartbeat_timeout=3.0, bucket_mb=1)
     w = weights("mixed32", 0.0)
     scheme.init_on_sender(weights=w, num_workers=1)
@@ -72,9 +82,9 @@ def test_a_snapshot_abandoned_half_written_is_never_applied(workers, caplog):
         for t in w.values():
             t.fill_(1.0)
         assert scheme.send() == 1
-        broken = {"a": torch.full_like(w["a"], 7.0), "b": torch.empty(3, dtype=torch.float64, device="meta")}
+        broken = {"a": torch.full_like(w["a"], 7.0), "b": torch.zeros_like(w["b"]).as_subclass(_Unreadable)}
         with caplog.at_level(logging.INFO, logger="wsync.distributed"):
-            with pytest.raises(NotImplementedError):
+            with pytest.raises(RuntimeError, match="this tensor cannot be read"):
                 scheme.send(weights=broken)
             for t in w.values():
                 t.fill_(2.0)
