@@ -130,3 +130,26 @@ def connected_pair(transport: str = "inproc", model: Any = None, local: Any = No
     sender.connect()
     t.join()
     return sender, model, receiver, local
+
+
+def connect_both(sender: WeightSyncScheme, receiver: WeightSyncScheme) -> tuple[Exception | None, Exception | None]:
+    """Connect ``sender`` and ``receiver`` (in a thread) at once, both initialised: what each
+    ``connect()`` raised, or None."""
+    raised: list[Exception | None] = [None]
+
+    def connect() -> None:
+        try:
+            receiver.connect()
+        except Exception as exc:  # returned to the caller
+            raised[0] = exc
+
+    t = threading.Thread(target=connect)
+    t.start()
+    mine: Exception | None = None
+    try:
+        sender.connect()
+    except Exception as exc:  # returned to the caller
+        mine = exc
+    finally:
+        t.join()
+    return mine, raised[0]

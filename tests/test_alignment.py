@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from wsync_core import Delivery, WeightSyncScheme
+from core_helpers import connect_both
+from wsync_core import Delivery, TransportError, WeightSyncScheme
 from wsync_core.inproc import InprocTransport, _Receiver
 
 #: where each delivery's payload lands: an address this many bytes past a multiple of 64
@@ -110,25 +111,12 @@ def test_a_payload_that_is_not_flat_contiguous_uint8_is_named_and_changes_nothin
     before = {k: t.clone() for k, t in worker.items()}
     scheme = WeightSyncScheme(sender.transport, timeout=5.0)
     scheme.init_on_receiver(model=worker, worker_idx=0)
-    errors = []
-
-    def connect() -> None:
-        try:
-            scheme.connect()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    connecting = threading.Thread(target=connect)
-    connecting.start()
     try:
-        with pytest.raises(Exception, match="rejected version 0"):
-            sender.connect()
-        connecting.join()
-        assert errors and "a payload is a flat contiguous uint8 tensor" in str(errors[0]), errors
-        assert type(errors[0]).__name__ == "TransportError"
+        refused, error = connect_both(sender, scheme)
+        assert refused is not None and "rejected version 0" in str(refused), refused
+        assert isinstance(error, TransportError) and "a payload is a flat contiguous uint8 tensor" in str(error), error
         assert all(torch.equal(worker[k], before[k]) for k in worker)
     finally:
-        connecting.join()
         scheme.shutdown()
         sender.shutdown()
 
@@ -136,7 +124,7 @@ def test_a_payload_that_is_not_flat_contiguous_uint8_is_named_and_changes_nothin
 def test_a_send_buffer_at_a_misaligned_address_is_named_before_anything_is_packed() -> None:
     """acquire() must hand out a flat contiguous uint8 tensor at a multiple of 64: one a byte off
     (a typed copy of complex128 into it could crash the trainer) fails the send by name."""
-    from wsync_core import Buffer, TransportError
+    from wsync_core import Buffer
     from wsync_core.inproc import _Sender
 
     class _OffByOne(_Sender):

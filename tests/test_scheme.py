@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import nn
 
-from core_helpers import bump, connected_pair, make_policy, same
+from core_helpers import bump, connect_both, connected_pair, make_policy, same
 from wsync_core import (
     SchemaMismatchError,
     StateError,
@@ -568,15 +568,7 @@ def test_a_lazily_stacked_tensordict_is_refused_as_a_worker_s_model_and_read_as_
         WeightSyncScheme("inproc").init_on_sender(model=uneven, num_workers=1)
     trainer = lazy()
     trainer[0]["w"].fill_(2.0)
-    s = WeightSyncScheme("inproc", timeout=10.0)
-    s.init_on_sender(model=trainer, num_workers=1)
-    r = pickle.loads(pickle.dumps(s))
-    worker = lazy().contiguous()
-    r.init_on_receiver(model=worker, worker_idx=0)
-    connecting = threading.Thread(target=r.connect)
-    connecting.start()
-    s.connect()
-    connecting.join()
+    s, _, r, worker = connected_pair(model=trainer, local=lazy().contiguous())
     try:
         assert torch.equal(worker["w"], torch.stack([torch.full((3,), 2.0), torch.zeros(3)]))
     finally:
@@ -609,31 +601,18 @@ def test_a_tie_only_the_worker_has_is_named_and_changes_nothing(wire_dtype) -> N
         before = {k: v.clone() for k, v in worker.state_dict().items()}
         r = pickle.loads(pickle.dumps(s))
         r.init_on_receiver(model=worker, worker_idx=0)
-        errors = []
-
-        def connect(r=r, errors=errors) -> None:
-            try:
-                r.connect()
-            except Exception as exc:  # reported below
-                errors.append(exc)
-
-        connecting = threading.Thread(target=connect)
-        connecting.start()
         try:
+            refused, error = connect_both(s, r)
             if trainer_tied or not worker_tied:
-                s.connect()
-                connecting.join()
-                assert not errors and torch.equal(worker.emb.weight, trainer.emb.weight)
+                assert refused is None and error is None, (refused, error)
+                assert torch.equal(worker.emb.weight, trainer.emb.weight)
                 assert torch.equal(worker.out.weight, trainer.out.weight)
                 continue
-            with pytest.raises(SchemaMismatchError, match="rejected version 0"):
-                s.connect()
-            connecting.join()
-            assert errors and isinstance(errors[0], SchemaMismatchError), errors
-            assert "'emb.weight' and 'out.weight' are one tensor in this worker's model" in str(errors[0])
+            assert isinstance(refused, SchemaMismatchError) and "rejected version 0" in str(refused), refused
+            assert isinstance(error, SchemaMismatchError), error
+            assert "'emb.weight' and 'out.weight' are one tensor in this worker's model" in str(error)
             assert all(torch.equal(worker.state_dict()[k], v) for k, v in before.items())
         finally:
-            connecting.join()
             r.shutdown()
             s.shutdown()
 
@@ -644,16 +623,7 @@ def test_weights_on_the_meta_device_are_refused_at_init_and_at_send_by_name() ->
     no version used; once the tensor is real again the next send is version 1."""
     with pytest.raises(ValueError, match=r"init_on_sender\(\): the weights to send are on the meta device .*'weight'"):
         WeightSyncScheme("inproc").init_on_sender(model=torch.nn.Linear(2, 2, device="meta"), num_workers=1)
-    trainer = torch.nn.Linear(2, 2)
-    s = WeightSyncScheme("inproc", timeout=5.0)
-    s.init_on_sender(model=trainer, num_workers=1)
-    r = pickle.loads(pickle.dumps(s))
-    worker = torch.nn.Linear(2, 2)
-    r.init_on_receiver(model=worker, worker_idx=0)
-    connecting = threading.Thread(target=r.connect)
-    connecting.start()
-    s.connect()
-    connecting.join()
+    s, trainer, r, worker = connected_pair(model=torch.nn.Linear(2, 2), local=torch.nn.Linear(2, 2))
     try:
         real = trainer.weight
         trainer.weight = torch.nn.Parameter(torch.empty(2, 2, device="meta"))
