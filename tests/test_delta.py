@@ -229,6 +229,28 @@ def test_damaged_tables_are_refused_before_any_write() -> None:
         check_indices(ops, buffer, "test")
 
 
+def test_indices_checked_are_the_indices_applied() -> None:
+    """check_indices hands back copies: a payload written after the check (a faulty transport
+    reusing its buffer) cannot move an index out of range before apply_ops uses it (the native
+    scatter, which trusts checked indices, wrote out of bounds)."""
+    weights = model_of(6)
+    layout = Layout.of(weights)
+    mirror = Mirror(layout, None, 2, torch.device("cpu"))
+    mirror.reset(weights, 0)
+    weights["matrix"].view(-1)[[1, 5]] += 1
+    mirror.update(weights, 1, None)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    enc = mirror.encode(mirror.since(0), buffer)
+    (_, _, offset), = enc.table
+    ops = decode_table(enc.table, layout, mirror.wire, enc.nbytes, "test")
+    indices = check_indices(ops, buffer, "test")
+    buffer[offset:offset + 8].view(torch.int32)[:] = 10**9  # written after the check
+    target = {k: v.clone() for k, v in weights.items()}
+    target["matrix"].view(-1)[[1, 5]] -= 1
+    apply_ops(ops, indices, buffer[:enc.nbytes], target)
+    assert same(target, weights)
+
+
 def test_receiver_missing_the_base_asks_for_full(cluster) -> None:
     """A delta for a base the worker does not hold is not applied; the sender answers the
     BaseMismatch ack with the newest version in full."""
