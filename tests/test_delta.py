@@ -206,7 +206,9 @@ def test_options_are_checked() -> None:
         WeightSyncScheme("inproc", delta=True, delta_dense=2.0)
 
 
-def test_damaged_tables_are_refused_before_any_write() -> None:
+def _two_element_delta():
+    """A delta of two elements of ``matrix`` between versions 0 and 1 of ``model_of(6)``:
+    (version 1's weights, their layout, the mirror, the payload buffer, the encoding)."""
     weights = model_of(6)
     layout = Layout.of(weights)
     mirror = Mirror(layout, None, 2, torch.device("cpu"))
@@ -215,6 +217,11 @@ def test_damaged_tables_are_refused_before_any_write() -> None:
     mirror.update(weights, 1, None)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
     enc = mirror.encode(mirror.since(0), buffer)
+    return weights, layout, mirror, buffer, enc
+
+
+def test_damaged_tables_are_refused_before_any_write() -> None:
+    _, layout, mirror, buffer, enc = _two_element_delta()
     (i, count, offset), = enc.table
     for table in ([[i, count, offset + 1]], [[i, 0, offset]], [[i, count, enc.nbytes]], [[len(layout), -1, 0]],
                   [[i, count, offset], [i, count, offset]], "x"):
@@ -233,14 +240,7 @@ def test_indices_checked_are_the_indices_applied() -> None:
     """check_indices hands back copies: a payload written after the check (a faulty transport
     reusing its buffer) cannot move an index out of range before apply_ops uses it (the native
     scatter, which trusts checked indices, wrote out of bounds)."""
-    weights = model_of(6)
-    layout = Layout.of(weights)
-    mirror = Mirror(layout, None, 2, torch.device("cpu"))
-    mirror.reset(weights, 0)
-    weights["matrix"].view(-1)[[1, 5]] += 1
-    mirror.update(weights, 1, None)
-    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
-    enc = mirror.encode(mirror.since(0), buffer)
+    weights, layout, mirror, buffer, enc = _two_element_delta()
     (_, _, offset), = enc.table
     ops = decode_table(enc.table, layout, mirror.wire, enc.nbytes, "test")
     indices = check_indices(ops, buffer, "test")
