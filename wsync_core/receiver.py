@@ -284,9 +284,7 @@ class Receiver:
                 materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
                 targets = flatten(self.source, self.strategy, detach=False)
             layout.check_writable(targets, context=where)
-        if header.session != self._ties_checked:
-            _check_ties(targets, payload, layout, where)
-            self._ties_checked = header.session
+        self._check_ties_once(header, targets, payload, layout, where)
         if adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
@@ -339,10 +337,8 @@ class Receiver:
             materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
             targets = flatten(self.source, self.strategy, detach=False)
         layout.check_writable(targets, context=where)
-        if ops is None and header.session != self._ties_checked:
-            _check_ties(targets, payload, wire, where)
-            self._ties_checked = header.session
         if ops is None:
+            self._check_ties_once(header, targets, payload, wire, where)
             unpack_wire(wire, payload, targets)
         else:
             if self._as_applied is None or _as_applied(targets) != self._as_applied:
@@ -354,6 +350,13 @@ class Receiver:
             torch.cuda.synchronize()
         self._as_applied = _as_applied(targets)
         return False
+
+    def _check_ties_once(self, header: Header, targets: Mapping[str, torch.Tensor], payload: torch.Tensor,
+                         layout: Layout, where: str) -> None:
+        """``_check_ties`` on the first full payload of each sender (its ties do not change)."""
+        if header.session != self._ties_checked:
+            _check_ties(targets, payload, layout, where)
+            self._ties_checked = header.session
 
 
 class _WroteSince(Exception):
