@@ -220,25 +220,25 @@ SUBSET_SENDS = 6
 MEMORY_MIB, MEMORY_WARMUP, MEMORY_SENDS, MEMORY_BOUND = 2.0, 6, 40, 10
 
 
-def _receive(e: Endpoints, i: int, version: int, *, check: bool = True) -> dict[str, Any]:
-    """Receiver ``i`` receives (releasing and acking each delivery) until it gets ``version``;
-    each delivery holds the bytes published under its header (``check``: else the caller checks
-    ``version``'s). Raises under "live" if ``version`` does not come within a timeout."""
+def _receive(e: Endpoints, i: int, version: int, *, check: bool = True, keep: bool = False) -> dict[str, Any]:
+    """Receiver ``i`` receives (releasing and acking each delivery; with ``keep``, holding the one
+    of ``version``) until it gets ``version``; each delivery holds the bytes published under its
+    header (``check``: else the caller checks ``version``'s). Raises under "live" if ``version``
+    does not come within a timeout."""
     deadline = Deadline(e.ctx.timeout)
     got = None
     while not deadline.expired():
-        d = e.recv(i, deadline.remaining())["delivery"]
+        d = e.recv(i, deadline.remaining(), keep=keep)["delivery"]
         if d is None:
             break
         got = _version_of(d)
-        if got == version:
-            if check and d["digest"] != e.published.get(got):
-                raise violated("isolated", f"worker {i}'s delivery of version {got} does not hold the bytes "
-                                           f"published under it")
-            return d
-        if d["digest"] != e.published.get(got):
+        if (check or got != version) and d["digest"] != e.published.get(got):
             raise violated("isolated", f"worker {i}'s delivery of version {got} does not hold the bytes published "
                                        f"under it")
+        if got == version:
+            return d
+        if keep:
+            e.workers[i].request("ep_release").raise_for_error("ep_release")
     raise violated("live", f"receiver endpoint {i} got {got} instead of version {version} within {e.ctx.timeout:g} s")
 
 
@@ -264,23 +264,7 @@ class EndpointChecks:
                                                f"payload of version {list(held)} that the receiver still holds")
                 e.workers[0].request("ep_release").raise_for_error("ep_release")
                 held.clear()
-            got = None
-            deadline = Deadline(wsync.timeout)
-            while not deadline.expired():
-                reply = e.recv(0, deadline.remaining(), keep=True)
-                d = reply["delivery"]
-                if d is None:
-                    break
-                got = _version_of(d)
-                if d["digest"] != e.published.get(got):
-                    raise violated("isolated", f"the delivery of version {got} does not hold the bytes published "
-                                               f"under it")
-                if got == v:
-                    held[v] = d["digest"]
-                    break
-                e.workers[0].request("ep_release").raise_for_error("ep_release")
-            if got != v:
-                raise violated("live", f"the receiver endpoint got {got} instead of version {v} within {wsync.timeout} s")
+            held[v] = _receive(e, 0, v, keep=True)["digest"]
         e.workers[0].request("ep_release").raise_for_error("ep_release")
         if not wsync.caps.subset_send:
             return
