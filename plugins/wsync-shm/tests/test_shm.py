@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 
 import pytest
 import torch
 from shm_procs import fill, holds, make_model, receiver_main
 
-from wsync_core import TransportError, WeightSyncScheme
-from wsync_shm import ShmTransport
+from wsync_core import Deadline, Layout, TransportError, WeightSyncScheme
+from wsync_core.protocol import MAX_ACK_BYTES
+from wsync_core.transport import Acked, Joined, Left, SenderContext
+from wsync_shm import ShmTransport, wire
 from wsync_shm.slot import SHM_DIR
+from wsync_shm.wire import FRAMING, Kind
 
 
 def slot_files(name: str) -> list[str]:
@@ -226,6 +230,39 @@ def test_a_second_receiver_with_the_same_index_is_refused(group) -> None:
             twin.connect()
     finally:
         twin.shutdown()
+
+
+def test_a_worker_back_under_its_index_is_welcomed_while_its_old_connection_still_holds_unread_acks() -> None:
+    """A worker that acked, closed and came back before the sender read its old connection to the
+    end: the old connection's acks come first, then its Left, then the new one's Joined (it was once
+    refused as 'already connected' when the old one had more than one read of acks left)."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    model = make_model()
+    endpoint = ShmTransport(name=name).sender(SenderContext(1, Layout.of(model), "m", torch.device("cpu")))
+    deadline = Deadline(30.0)
+    endpoint.open(deadline)
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    new = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # all the acks fit before any is read
+        old.connect(wire.address(name))
+        old.sendall(FRAMING.encode(Kind.HELLO, arg=0))
+        assert [type(e) for e in endpoint.poll(deadline)] == [Joined]
+        acks = 6 * 65536 // (MAX_ACK_BYTES // 4)  # six of the sender's reads
+        old.sendall(b"".join(FRAMING.encode(Kind.ACK, bytes(MAX_ACK_BYTES // 4)) for _ in range(acks)))
+        old.close()
+        new.connect(wire.address(name))
+        new.sendall(FRAMING.encode(Kind.HELLO, arg=0))
+        events: list = []
+        while not any(isinstance(e, Joined) for e in events) and not deadline.expired():
+            events += endpoint.poll(deadline)
+        assert [type(e) for e in events] == [Acked] * acks + [Left, Joined]
+        reply = next(iter(FRAMING.reader("the sender", accept=[Kind.WELCOME, Kind.REFUSE]).feed(new.recv(4096))))
+        assert reply.kind == Kind.WELCOME
+    finally:
+        old.close()
+        new.close()
+        endpoint.close()
 
 
 def test_independent_receiver_process_finds_the_sender_by_name(spawn) -> None:

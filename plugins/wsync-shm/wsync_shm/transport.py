@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import select
 import selectors
 import socket
 import subprocess
@@ -65,6 +66,7 @@ __all__ = ["ShmTransport"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,80}\Z")
 _TOKEN = re.compile(rb"[0-9a-f]{12}\Z")
 _ACK_SEND_TIMEOUT = 30.0
+_DRAIN_READS = 64  # reads of a restarted worker's old connection, at most, to reach its end
 _CHUNK = 1 << 16  # a larger read buffer costs an mmap per call: 12 us at 1 MiB
 
 
@@ -315,8 +317,11 @@ class _Sender(SenderEndpoint):
         if not 0 <= w < self._num_workers:
             return self._refuse(conn, f"worker_idx {w} is out of range: this sender has {self._num_workers} workers")
         old = self._conns.get(w)
-        if old is not None:
-            self._read(old)  # a worker that restarted: its old connection may have closed already
+        # a worker that restarted: its old connection may have closed already, behind acks not read yet
+        for _ in range(_DRAIN_READS):
+            if old is None or self._conns.get(w) is not old or not select.select([old.sock], [], [], 0)[0]:
+                break
+            self._read(old)
         if self._conns.get(w) is not None:
             return self._refuse(conn, f"worker {w} is already connected (process {self._conns[w].pid})")
         conn.worker = w
