@@ -5,6 +5,7 @@ on a cluster of two nodes every sender's mailbox runs on the sender's node."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from wsync_core import Deadline, WeightSyncScheme, WorkerTimeoutError  # noqa: E
 from wsync_core.layout import Layout  # noqa: E402
 from wsync_core.transport import SenderContext  # noqa: E402
 from wsync_ray import RayTransport  # noqa: E402
-from wsync_ray.cluster import RayNode  # noqa: E402
+from wsync_ray.cluster import RayNode, session_members  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(ray_actors)  # the actors' processes cannot import this folder
 
@@ -200,6 +201,29 @@ def test_mailbox_runs_on_the_senders_node(cluster, ray_head) -> None:
             for s in senders:
                 s.close()
         assert placed == [here] * 8, f"mailboxes on {placed}, the sender on {here}"
+
+
+_ERROR_IN_WITH = """
+import ray
+from wsync_ray.cluster import RayNode
+with RayNode(num_cpus=1, object_store_mib=128) as head:
+    ray.init(address=head.address, log_to_driver=False)
+    print(head.proc.pid, flush=True)
+    raise ValueError("the user's own error")
+"""
+
+
+def test_an_error_in_a_head_nodes_with_block_is_raised_and_the_node_stopped(tmp_path) -> None:
+    """A driver joined to a head that ``RayNode.__exit__`` stops is disconnected first: Ray ends a
+    driver whose cluster goes, which lost the error that left the block (the process waited 60 s
+    for the GCS and exited with no traceback, and the node's processes could outlive it)."""
+    script = tmp_path / "error_in_with.py"
+    script.write_text(_ERROR_IN_WITH)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "ValueError: the user's own error" in proc.stderr, proc.stderr[-3000:]
+    assert session_members(int(proc.stdout.split()[0])) == []
 
 
 @pytest.mark.parametrize("options,refusal", [

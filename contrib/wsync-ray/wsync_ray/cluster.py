@@ -57,7 +57,7 @@ class RayNode:
                  node_ip: str = "127.0.0.1", prefix: Sequence[str] = (), port: int | None = None,
                  env: dict[str, str] | None = None, timeout: float = 90.0, resources: str | None = None,
                  auth_mode: str = "disabled", preallocate: bool = True, free_period_ms: int = 10) -> None:
-        self.node_ip = node_ip
+        self.node_ip, self.is_head = node_ip, head is None
         self.temp_dir = tempfile.mkdtemp(prefix="wsray-", dir="/tmp")
         ports = {} if prefix else {  # in a namespace of its own a node cannot collide with another one
             "--ray-client-server-port": _free_port(node_ip), "--dashboard-agent-listen-port": _free_port(node_ip),
@@ -116,11 +116,15 @@ class RayNode:
         """Stop every process of this node (its session: Ray's workers take process groups of their
         own but stay in it): SIGINT to each, as Ctrl-C stops ``ray start --block`` (1.5 s here; SIGTERM
         to each left ``ray start`` and two of Ray's processes running until the SIGKILL), then
-        SIGKILL after ``grace`` seconds. Idempotent."""
+        SIGKILL after ``grace`` seconds. A head node first disconnects this process if it joined the
+        head's cluster as a driver (Ray ends a driver whose cluster goes: the error that left a ``with``
+        block would be lost). Idempotent."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         atexit.unregister(self.stop)
+        if self.is_head:
+            self._leave()
         sid = proc.pid
         for sig, wait in ((signal.SIGINT, grace), (signal.SIGKILL, 10.0)):
             members = session_members(sid)
@@ -141,11 +145,30 @@ class RayNode:
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def _leave(self) -> None:
+        """``ray.shutdown()`` if this process is a Ray driver of this node's cluster."""
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        if port == self.address.rpartition(":")[2] and _local(host):  # Ray names the head by the host's address
+            ray.shutdown()
+
     def __enter__(self) -> RayNode:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (of this network namespace)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+    except OSError:
+        return False
+    return True
 
 
 def _die_with_parent() -> None:
