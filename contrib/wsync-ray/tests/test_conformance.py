@@ -5,6 +5,7 @@ network namespace, so the receiver there is a Ray driver of another node of the 
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -39,9 +40,14 @@ class TestRay(TransportSuite):
         address), a node on each of ``others``; every process of every node is stopped on exit."""
         with contextlib.ExitStack() as stack:
             head = stack.enter_context(RayNode(num_cpus=1, object_store_mib=256, node_ip=here.address))
-            for there in others:
-                stack.enter_context(RayNode(num_cpus=1, object_store_mib=256, head=head.address,
-                                            node_ip=there.address, prefix=there.prefix))
+            with ThreadPoolExecutor(len(others) or 1) as pool:  # the nodes start side by side
+                starting = [pool.submit(RayNode, num_cpus=1, object_store_mib=256, head=head.address,
+                                        node_ip=there.address, prefix=there.prefix) for there in others]
+            for node in starting:
+                if node.exception() is None:
+                    stack.enter_context(node.result())
+            for node in starting:
+                node.result()  # the first failure to start, once every node that started will stop
             self._cluster_address = head.address
             try:
                 yield {}
