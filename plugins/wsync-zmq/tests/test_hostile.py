@@ -18,7 +18,7 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import Ack, Header, checksum
 from wsync_core.weights import flatten
 from wsync_zmq import ZmqTransport
-from wsync_zmq.wire import ACK, DATA, HELLO, Hello, encode_delivery
+from wsync_zmq.wire import ACK, DATA, HELLO, NEWER, PROBE, Hello, encode_delivery
 from zmq_helpers import digest, make_model
 
 
@@ -275,3 +275,53 @@ def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
         thread.join(30)
         receiver.shutdown()
         scheme.shutdown()
+
+
+def test_a_receive_takes_what_arrived_when_its_timeout_leaves_no_time_to_ask(context):
+    """A version that arrived while the worker was busy: ``receive(timeout=0)`` (a safe point in an
+    inference loop) applies it without asking the sender for a newer one; with a short timeout it
+    asks, and waits for the answer only until its timeout (it waited at least 0.5 s for the answer,
+    then for the newer version, whatever its timeout)."""
+    address = ZmqTransport().options["address"]
+    source = make_model(0)
+    fake = FakeSender(context, address, source)
+    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
+    receiver.init_on_receiver(model=make_model(1), worker_idx=0)
+    thread = threading.Thread(target=receiver.connect)
+    thread.start()
+    try:
+        fake.wait_hello()
+        fake.deliver(*fake.valid(0, layout=True))
+        thread.join(30)
+        fake.deliver(*fake.valid(1))
+        end = time.monotonic() + 30
+        got = None
+        while got is None and time.monotonic() < end:
+            got = receiver.receive(timeout=0.0)
+        assert got == 1
+        told = [message for _, message in iter(lambda: fake.sock.recv_multipart() if fake.sock.poll(300) else None, None)]
+        assert told and not [m for m in told if m[:1] == PROBE], told  # acks and wants only
+
+        fake.deliver(*fake.valid(2))
+        time.sleep(0.3)  # version 2 arrives while the worker is busy
+
+        def answer_late() -> None:  # the sender's answer: a newer version is on its way, 0.3 s later
+            while fake.sock.poll(10_000):
+                _, message = fake.sock.recv_multipart()
+                if message[:1] == PROBE:
+                    time.sleep(0.3)
+                    fake.send(NEWER + message[1:])
+                    fake.deliver(*fake.valid(3))
+                    return
+
+        answering = threading.Thread(target=answer_late)
+        answering.start()
+        try:
+            assert receiver.receive(timeout=0.05) == 2
+        finally:
+            answering.join(30)
+        assert receiver.receive(timeout=10.0) == 3
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        fake.close()

@@ -32,9 +32,6 @@ _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 #: how long a closing receiver waits to say goodbye to a connected sender (milliseconds)
 _BYE_LINGER_MS = 500
-#: how long ``recv`` waits at least for the answer to a probe (seconds; up to its deadline if that
-#: is later, as ``wsync_core.stream`` does); without one it returns the delivery it holds
-_PROBE_WAIT_S = 0.5
 #: handshakes in a row that a sender this worker met before may cut short (it died or restarts
 #: mid-handshake) before the worker takes it for a refusal
 _CUT_HANDSHAKES = 3
@@ -93,15 +90,16 @@ class ZmqReceiver(ReceiverBase):
             return None
         self._check_replaced()
         self._pump()
-        if self._mail is not None and self._connected:
-            # it waited here while the worker was away: newer versions may wait at the sender
+        if self._mail is not None and self._connected and not deadline.expired():
+            # it waited here while the worker was away: newer versions may wait at the sender; with
+            # no time to ask (receive(timeout=0) at a safe point), what arrived is the answer
             self._probe += 1
             self._send(PROBE + str(self._probe).encode(), "probe")
             self._wanted, self._answer = True, None
             # until the deadline: a sender busy in Python (its GIL held) answers late, never wrongly
-            self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer is not None)
-            if self._answer == NEWER:  # on its way: wait for it (at least as long as for the answer)
-                self._wait(Deadline(max(deadline.remaining(), _PROBE_WAIT_S)), lambda: self._answer == DATA)
+            self._wait(deadline, lambda: self._answer is not None)
+            if self._answer == NEWER:  # on its way: wait for it
+                self._wait(deadline, lambda: self._answer == DATA)
         else:
             self._wait(deadline, lambda: self._mail is not None)
         return super().recv(Deadline(0.0))
