@@ -754,17 +754,20 @@ class StreamReceiver(_Loop, ReceiverBase):
                 with self.cond:
                     self._flush(conn)  # what the handshake, ack() or a ping queued
                 ready = self.selector.select(min(1.0, self.heartbeat / 4))
-                with self.cond:
-                    if not self.is_open:
-                        return None
-                    for key, mask in ready:
-                        if key.data is None:
-                            self._drain_wake()
-                        elif mask & selectors.EVENT_READ:
-                            for f in self._read(conn):
+                if not self.is_open:
+                    return None
+                for key, mask in ready:
+                    if key.data is None:
+                        self._drain_wake()
+                    elif mask & selectors.EVENT_READ:
+                        # read without the lock (only this thread reads the stream): a receive(timeout=0)
+                        # meanwhile takes what arrived at once, instead of waiting out a read of 8 MiB
+                        for f in self._read(conn):
+                            with self.cond:
                                 reason = self._frame(conn, f)
-                                if reason is not None:
-                                    return reason
+                            if reason is not None:
+                                return reason
+                with self.cond:
                     self._flush(conn)
                     silent = self._idle(conn, time.monotonic())
                     if silent is not None:
