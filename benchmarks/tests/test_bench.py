@@ -146,6 +146,17 @@ def test_waiting_receive_times_the_receives_that_took_a_version(tmp_path) -> Non
     assert re.match(r"mp [1-9][0-9]* receives: p50 [0-9.]+ ms, p90 [0-9.]+ ms, p99 [0-9.]+ ms", out.stdout), out.stdout
 
 
+def test_polling_receive_times_the_polls_that_found_nothing_and_those_that_applied(tmp_path) -> None:
+    """``benchmarks/polling_receive.py`` runs on the public API and prints both lines of percentiles."""
+    script = Path(__file__).parents[1] / "polling_receive.py"
+    out = subprocess.run([sys.executable, str(script), "unix", "--mib", "1", "--seconds", "3", "--pause-ms", "20"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for what in ("finding nothing new", "applying a version"):
+        assert re.search(rf"receive\(timeout=0\) {what} \([1-9][0-9]* calls\): p50 [0-9.]+  p99 [0-9.]+  "
+                         rf"p99\.9 [0-9.]+  max [0-9.]+ ms", out.stdout), out.stdout
+
+
 def test_python_floor_times_every_update_and_leaves_nothing_behind(tmp_path) -> None:
     """``benchmarks/python_floor.py`` (the floor of a small update in Python) runs and cleans up."""
     script = Path(__file__).parents[1] / "python_floor.py"
