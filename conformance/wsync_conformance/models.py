@@ -20,6 +20,7 @@ from wsync_core.weights import flatten
 
 __all__ = [
     "SPEC_DTYPES",
+    "trainable",
     "TensorSpec",
     "ModelSpec",
     "build",
@@ -37,8 +38,9 @@ __all__ = [
     "KINDS",
 ]
 
-#: the dtypes the "exact" guarantee covers (docs/guarantees.md), by wire name
-SPEC_DTYPES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+#: the dtypes the "exact" guarantee covers (docs/guarantees.md): every one wsync carries with the
+#: installed torch, by wire name
+SPEC_DTYPES: tuple[str, ...] = tuple(DTYPES)
 KINDS: tuple[str, ...] = ("module", "tensordict", "state_dict")
 SOURCES: tuple[str, ...] = ("contiguous", "transposed", "strided", "shared")
 
@@ -160,7 +162,7 @@ def build(spec: ModelSpec, device: str | torch.device = "cpu", *, sender: bool =
         else:
             source = t.tied or t.key
             if source not in made:
-                made[source] = nn.Parameter(value, requires_grad=value.is_floating_point())
+                made[source] = nn.Parameter(value, requires_grad=value.is_floating_point() or value.is_complex())
             mod.register_parameter(leaf, made[source])
     return root
 
@@ -205,19 +207,32 @@ def random_values(spec: ModelSpec, seed: int, styles: Mapping[str, str] | None =
         elif style == "ones":
             value = torch.ones(n, dtype=dtype)
         elif style == "extremes":
-            if dtype.is_floating_point:
-                info = torch.finfo(dtype)
+            real = _REAL.get(dtype, dtype)  # a complex number's parts each draw from its parts' extremes
+            if real.is_floating_point:
+                info = torch.finfo(real)
                 pool = torch.tensor([info.max, info.min, info.tiny, -0.0, float("inf"), float("-inf"), float("nan"),
-                                     info.eps], dtype=dtype)
+                                     info.eps], dtype=torch.float64).to(real)  # inf: NaN where there is none
             else:
-                info = torch.iinfo(dtype)
-                pool = torch.tensor([info.max, info.min, 0, -1 if info.min < 0 else 1], dtype=dtype)
-            value = pool[torch.randint(0, len(pool), (n,), generator=g)]
+                info = torch.iinfo(real)
+                pool = torch.tensor([info.max, info.min, 0, -1 if info.min < 0 else 1], dtype=torch.float64).to(real) \
+                    if info.bits < 64 else torch.tensor([info.max, info.min, 0, -1 if info.min < 0 else 1], dtype=real)
+            parts = 2 if dtype.is_complex else 1
+            value = pool[torch.randint(0, len(pool), (n * parts,), generator=g)]
+            value = torch.view_as_complex(value.reshape(n, 2)) if dtype.is_complex else value
         else:
             raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
             value = raw.view(dtype)
         out[t.key] = value.reshape(t.shape)
     return out
+
+
+#: a complex dtype's parts
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def trainable(dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` (a wire name) can be a parameter that requires grad."""
+    return DTYPES[dtype].is_floating_point or DTYPES[dtype].is_complex
 
 
 def digests(model) -> dict[str, str]:
@@ -246,6 +261,10 @@ def rich_spec(kind: str = "module", large_mib: int = 4) -> ModelSpec:
         TensorSpec("stats.mask", (3, 5), "bool", buffer=True),
         TensorSpec("stats.none", (0,), "int64", buffer=True),
     ]
+    present = {t.dtype for t in ts}  # then one tensor of each other dtype, odd sizes, some transposed
+    ts += [TensorSpec(f"extra.{name}", (3, 5) if i % 2 else (7,), name, buffer=not trainable(name),
+                      source="transposed" if i % 2 else "contiguous")
+           for i, name in enumerate(d for d in SPEC_DTYPES if d not in present)]
     if large_mib:
         ts.append(TensorSpec("big.weight", (large_mib * 256, 1024), "float32"))
     return ModelSpec(kind, tuple(ts))
@@ -289,8 +308,7 @@ def many_spec(kind: str = "module", total_mib: float = 4.0, count: int = 36) -> 
         itemsize = DTYPES[dtype].itemsize
         cols = 256 // itemsize if itemsize < 8 else 32
         rows = max(1, per // (cols * itemsize))
-        floating = dtype in ("float64", "float32", "float16", "bfloat16")
-        ts.append(TensorSpec(f"layer{i // 6}.t{i}", (rows, cols), dtype, buffer=not floating))
+        ts.append(TensorSpec(f"layer{i // 6}.t{i}", (rows, cols), dtype, buffer=not trainable(dtype)))
     return ModelSpec(kind, tuple(ts))
 
 

@@ -8,7 +8,7 @@ import json
 
 from hypothesis import strategies as st
 
-from .models import KINDS, SOURCES, SPEC_DTYPES, ModelSpec, TensorSpec
+from .models import KINDS, SOURCES, SPEC_DTYPES, ModelSpec, TensorSpec, trainable
 
 __all__ = ["dtypes", "shapes", "model_specs", "value_styles", "seeds", "hostile_json", "HOSTILE_TOKENS", "STYLES"]
 
@@ -34,8 +34,7 @@ def seeds() -> st.SearchStrategy[int]:
 def tensor_specs(draw, key: str) -> TensorSpec:
     dtype = draw(dtypes())
     shape = draw(shapes())
-    floating = dtype in ("float64", "float32", "float16", "bfloat16")
-    buffer = True if not floating else draw(st.booleans())
+    buffer = True if not trainable(dtype) else draw(st.booleans())
     return TensorSpec(key, shape, dtype, buffer=buffer, source=draw(st.sampled_from(SOURCES)))
 
 
