@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from wsync_core.memory import discard_written, map_private
+from wsync_core.memory import Slot, discard_written, map_private
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and pagemap are Linux's")
 
@@ -66,3 +66,23 @@ def test_without_pagemap_every_page_is_dropped_and_reads_the_file(monkeypatch) -
     finally:
         shared.close()
         os.close(fd)
+
+
+def test_a_slot_file_cut_short_by_ctrl_c_leaves_no_file_and_no_descriptor(tmp_path, monkeypatch) -> None:
+    """A KeyboardInterrupt while a large slot file is allocated (the trainer's Ctrl-C in send())
+    closes and removes the file: the same path can be created again. It left both behind, and
+    every later slot of that index failed with 'File exists'."""
+    path = str(tmp_path / "slot")
+
+    def interrupted(fd: int, offset: int, length: int) -> None:
+        raise KeyboardInterrupt
+
+    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "posix_fallocate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Slot.file(path, 1 << 20)
+    monkeypatch.undo()
+    assert not os.path.exists(path) and len(os.listdir("/proc/self/fd")) == fds
+    slot = Slot.file(path, 1 << 20)
+    assert slot.tensor.numel() == 1 << 20
+    slot.close()

@@ -92,9 +92,11 @@ class Slot:
         try:
             os.posix_fallocate(fd, 0, offset + nbytes)
             return cls(fd, nbytes, offset)
-        except OSError as exc:
+        except BaseException as exc:  # a KeyboardInterrupt in a large allocation too: no file is left behind
             os.close(fd)
             os.unlink(path)
+            if not isinstance(exc, OSError):
+                raise
             raise TransportError(f"cannot allocate {offset + nbytes} bytes of shared memory at {path}: {exc}; "
                                  f"is {os.path.dirname(path)} large enough?") from None
 

@@ -14,7 +14,7 @@ from wsync_core import Deadline, Layout, TransportError, WeightSyncScheme
 from wsync_core.protocol import MAX_ACK_BYTES
 from wsync_core.transport import Acked, Joined, Left, SenderContext
 from wsync_shm import ShmTransport, wire
-from wsync_shm.slot import SHM_DIR
+from wsync_shm.slot import SHM_DIR, Slot
 from wsync_shm.wire import FRAMING, Kind
 
 
@@ -293,3 +293,29 @@ def test_names_are_checked_and_travel_with_the_pickle() -> None:
         ShmTransport(name="../etc")
     t = ShmTransport()
     assert pickle.loads(pickle.dumps(t)).options == t.options
+
+
+def test_a_slot_creation_cut_short_by_ctrl_c_is_made_again(group, monkeypatch) -> None:
+    """Ctrl-C in the trainer while send() adds a slot (a 200 MiB one takes a while to allocate):
+    the next slot of that index is made, and sends go on. Every later send raised TransportError
+    'File exists' before (found by an outside audit: SIGINT into send() with a slow worker)."""
+    name, sender, model, (receiver,) = group(1)
+    endpoint = sender._role.endpoint
+    slots = len(slot_files(name))
+    create = Slot.create
+
+    def interrupted(path: str, nbytes: int, device=None) -> Slot:
+        create(path, nbytes, device).close()  # the file is made, then the interrupt comes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Slot, "create", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        endpoint._new_slot()
+    monkeypatch.undo()
+    endpoint._new_slot()
+    assert len(slot_files(name)) == slots + 1
+    for v in (1, 2):
+        fill(model, v)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30.0) == v and handle.wait() == v
+        assert holds(model_of(receiver), v)

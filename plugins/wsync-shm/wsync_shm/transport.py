@@ -22,6 +22,7 @@ see the sender vanish.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -134,6 +135,8 @@ class _Sender(SenderEndpoint):
     def _new_slot(self) -> int:
         index = len(self._slots)
         path = _slot_path(self._name, self._token, index)
+        with contextlib.suppress(FileNotFoundError):  # this sender's own, left by a creation Ctrl-C cut short
+            os.unlink(path)
         self._reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
         self._reaper.stdin.flush()
         self._slots.append(Slot.create(path, self._nbytes, self._device))
