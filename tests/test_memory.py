@@ -68,17 +68,17 @@ def test_without_pagemap_every_page_is_dropped_and_reads_the_file(monkeypatch) -
         os.close(fd)
 
 
+def _interrupted(*args: object, **kwargs: object) -> None:
+    raise KeyboardInterrupt
+
+
 def test_a_slot_file_cut_short_by_ctrl_c_leaves_no_file_and_no_descriptor(tmp_path, monkeypatch) -> None:
-    """A KeyboardInterrupt while a large slot file is allocated (the trainer's Ctrl-C in send())
-    closes and removes the file: the same path can be created again. It left both behind, and
+    """A KeyboardInterrupt while a large slot file is allocated (the trainer's Ctrl-C in send(),
+    shm) closes and removes the file: the same path can be created again. It left both behind, and
     every later slot of that index failed with 'File exists'."""
     path = str(tmp_path / "slot")
-
-    def interrupted(fd: int, offset: int, length: int) -> None:
-        raise KeyboardInterrupt
-
     fds = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(os, "posix_fallocate", interrupted)
+    monkeypatch.setattr(os, "posix_fallocate", _interrupted)
     with pytest.raises(KeyboardInterrupt):
         Slot.file(path, 1 << 20)
     monkeypatch.undo()
@@ -86,3 +86,14 @@ def test_a_slot_file_cut_short_by_ctrl_c_leaves_no_file_and_no_descriptor(tmp_pa
     slot = Slot.file(path, 1 << 20)
     assert slot.tensor.numel() == 1 << 20
     slot.close()
+
+
+def test_a_memfd_slot_cut_short_by_ctrl_c_leaves_no_descriptor(monkeypatch) -> None:
+    """A KeyboardInterrupt while a large memfd slot is mapped and filled in (mp) closes its
+    descriptor: it kept the memory until the process exited (200 MiB per interrupted send)."""
+    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(mmap, "mmap", _interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Slot.memfd("wsync-test", 1 << 20)
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == fds

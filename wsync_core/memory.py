@@ -76,8 +76,10 @@ class Slot:
             os.ftruncate(fd, max(nbytes, 1))  # an empty file cannot be mapped
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             return cls(fd, nbytes)
-        except OSError as exc:
+        except BaseException as exc:  # a KeyboardInterrupt while a large map fills in too: no descriptor is left
             os.close(fd)
+            if not isinstance(exc, OSError):
+                raise
             raise TransportError(f"cannot allocate a slot of {nbytes} bytes of shared memory: {exc}") from None
 
     @classmethod
