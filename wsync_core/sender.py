@@ -545,8 +545,11 @@ class Sender:
             raise cls(f"worker {w} rejected {which}: {ack.error}{others}")
         if missing:
             gone = [w for w in missing if w in self._left]
-            detail = f"; workers {gone} disconnected" if gone else ""
             updated = [w for w in targets if w not in missing and w not in rejected]
+            if gone == missing and not deadline.expired():  # no wait for them: it is not a matter of time
+                raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}; "
+                                         f"updated: {updated}", missing)
+            detail = f"; workers {gone} disconnected" if gone else ""
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
                 f"updated: {updated}", missing)

@@ -4,8 +4,10 @@ version lands between two policy calls, a worker dying at start-up fails the col
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -128,6 +130,55 @@ def test_a_worker_dying_at_startup_fails_the_collector_fast_with_its_error():
     assert info.value.workers == [1]
     assert "worker 1" in str(info.value) and "Pendulum-v99" in str(info.value)
     assert isinstance(info.value, RuntimeError)  # what TorchRL raises for a worker failing to start
+
+
+def test_policies_from_distinct_factories_are_never_sent_weights_nobody_named():
+    """Workers built from distinct ``policy_factory`` entries: there is no trainer policy, so an
+    update without weights raises ValueError and every worker keeps what it runs (it sent every
+    worker a copy of factory 0's policy made when the collector was built); weights given per
+    worker reach each its own."""
+    factories = [functools.partial(make_policy, 10), functools.partial(make_policy, 11)]
+    scheme = WsyncScheme("shm", timeout=60)
+    collector = MultiSyncCollector([make_env] * 2, policy_factory=factories, frames_per_batch=8, total_frames=-1,
+                                   weight_sync_schemes={"policy": scheme})
+    try:
+        it = iter(collector)
+        data = next(it)
+        started = [flat_bits(f().module) for f in factories]
+        assert all((data["weights_bits"][w] == started[w]).all() for w in (0, 1))
+        mine = [make_policy(20), make_policy(21)]
+        collector.update_policy_weights_({w: TensorDict.from_module(mine[w]) for w in (0, 1)})
+        data = next(it)
+        assert all((data["weights_bits"][w] == flat_bits(mine[w].module)).all() for w in (0, 1))
+        with pytest.raises(ValueError, match="distinct policy_factory entries"):
+            collector.update_policy_weights_()
+        data = next(it)
+        assert all((data["weights_bits"][w] == flat_bits(mine[w].module)).all() for w in (0, 1))
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+def test_without_sync_an_update_names_a_worker_whose_process_is_gone():
+    """``sync=False``: nothing waits for the acks, so a killed worker was never reported (every
+    update returned at once); the update after it raises WorkerDiedError naming it, once the
+    others were sent the version."""
+    policy = make_policy()
+    scheme = WsyncScheme("shm", timeout=60, sync=False)
+    collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=8, total_frames=-1,
+                                   weight_sync_schemes={"policy": scheme})
+    try:
+        next(iter(collector))
+        os.kill(collector.procs[1].pid, signal.SIGKILL)
+        collector.procs[1].join(30)
+        bump(policy)
+        with pytest.raises(WorkerDiedError) as info:
+            collector.update_policy_weights_()
+        assert info.value.workers == [1] and "worker 1: process" in str(info.value)
+        assert scheme.version == 1  # the version went out
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
 
 
 def test_collector_receives_through_weight_recv_schemes_inproc():

@@ -72,7 +72,7 @@ class WsyncScheme(TorchRLScheme):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_safepoint", "_stop", "_receiver_thread", "_receiver_error", "_watch_procs", "_local",
-                    "_per_worker_init", "_extra_keys"):  # the sender's own: weights never ride the pickle
+                    "_per_worker_init", "_extra_keys", "_factories_only"):  # the sender's own: weights never ride the pickle
             state.pop(key, None)
         state["_wsync"] = _fresh_copy(self._wsync)
         state["_model_ref"] = None
@@ -117,6 +117,7 @@ class WsyncScheme(TorchRLScheme):
         elif context is not None:
             self.context = context
             source, per_worker = _sender_model(context, model_id)
+            self._factories_only = bool(per_worker)  # no policy of the trainer's: every send names its weights
             if num_workers is None:
                 num_workers = _num_workers(context)
             self._watch_procs = context
@@ -185,7 +186,10 @@ class WsyncScheme(TorchRLScheme):
 
         ``weights`` may be a module, a TensorDict, a state_dict, a model path in the context, or
         ``{worker: weights}`` for different weights per worker. With ``sync`` it returns once
-        the targets applied it. Raises wsync's errors (WorkerTimeoutError names the laggards).
+        the targets applied it. Raises wsync's errors (WorkerTimeoutError names the laggards;
+        without ``sync``, WorkerDiedError names the collector's workers whose process is gone, once
+        the others were sent the version), ValueError for no weights where the trainer has no
+        policy (workers built from distinct ``policy_factory`` entries).
         """
         if not self.initialized_on_sender:
             raise RuntimeError("Must be initialized on sender before sending weights")
@@ -203,12 +207,29 @@ class WsyncScheme(TorchRLScheme):
             if self.sync:
                 for handle in handles:
                     handle.wait()
+            else:
+                self._raise_dead(sorted(weights) if ids is None else ids)
             return
+        if weights is None and getattr(self, "_factories_only", False):
+            raise ValueError("the workers build their policies from distinct policy_factory entries, so the trainer "
+                             "holds no policy of its own to send: pass the weights to update_policy_weights_() "
+                             "(a module, TensorDict or state_dict for every worker, or {worker_idx: weights})")
         weights = self._resolve(weights)
         if self.sync:
             self._wsync.send(_as_weights(weights) if weights is not None else None, worker_ids=ids)
         else:
             self._wsync.send_async(_as_weights(weights) if weights is not None else None, worker_ids=ids)
+            self._raise_dead(ids)
+
+    def _raise_dead(self, ids: list[int] | None) -> None:
+        """Without ``sync`` nothing waits for the workers: raise WorkerDiedError naming the targets
+        among the collector's workers whose process is gone (the others were sent the version)."""
+        procs = getattr(self._watch_procs, "procs", None) or []
+        dead = {w: f"process {p.pid} exited with code {p.exitcode}" for w, p in enumerate(procs)
+                if (ids is None or w in ids) and not p.is_alive()}
+        if dead:
+            raise WorkerDiedError(f"workers {sorted(dead)} are gone, the others were sent version {self.version}: "
+                                  + "; ".join(f"worker {w}: {why}" for w, why in sorted(dead.items())), sorted(dead))
 
     def _resolve(self, weights: Any) -> Any:
         if isinstance(weights, str):
