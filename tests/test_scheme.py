@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import threading
 import time
 
@@ -22,6 +24,7 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.inproc import InprocTransport, open_channels
+from wsync_core.layout import Layout
 from wsync_core.transport import Transport
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -175,6 +178,35 @@ def test_atomic_send_mismatched_weights_sends_nothing(cluster):
         c.sender.send(weights=wrong)
     assert c.sender.version == 0
     assert c.sender.send() == 1
+
+
+def test_atomic_a_ctrl_c_during_a_receive_lands_once_the_version_is_whole_numbered_and_acked(monkeypatch):
+    """Ctrl-C (SIGINT, in the worker's main thread) while a version goes into the model: the
+    KeyboardInterrupt comes once the version is whole, numbered and acked. It came where it
+    fell: a model half written (the rest of the version before), or whole but still numbered
+    as the one before and never acked, so the sender's send() timed out (an outside audit, on
+    shm, mp, tcp and rpc)."""
+    sender, model, receiver, local = connected_pair("inproc", sync=False)
+    try:
+        bump(model)
+        handle = sender.send_async()
+        write, wrote = Layout.unpack, []
+
+        def write_then_ctrl_c(self, *args, **kwargs):
+            written = write(self, *args, **kwargs)
+            wrote.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            return written
+
+        monkeypatch.setattr(Layout, "unpack", write_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            receiver.receive(timeout=10.0)
+        monkeypatch.undo()
+        assert wrote and receiver.version == 1 and same(model, local)
+        assert handle.wait(10.0) == 1
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
 
 
 def test_a_trainer_model_changed_since_init_is_named_as_such(cluster):

@@ -7,11 +7,13 @@ tensors at the transport's memory, which is then leased (``wsync_core.lease``).
 
 from __future__ import annotations
 
+import _signal  # signal's own functions: signal.signal() converts handlers to enums, 6 us a receive
 import contextlib
 import logging
 import os
+import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ __all__ = ["Receiver"]
 log = logging.getLogger("wsync")
 #: give up the core to a waiting thread, where the system has the call (not on Windows)
 _yield_core = getattr(os, "sched_yield", lambda: None)
+_SIGINT = int(signal.SIGINT)
 
 
 class Receiver:
@@ -166,7 +169,9 @@ class Receiver:
         if header.base is not None and not header.base <= self.version:
             return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
-        with self.guard():  # the worker's safe point: its model is not in use in here
+        with self.guard(), _interrupts_held():  # the worker's safe point: its model is not in use in here
+            # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
+            # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
                 adopted = self._apply(delivery, header, retired)
             except _WroteSince:
@@ -177,14 +182,14 @@ class Receiver:
                 raise
             finally:
                 _release(delivery)  # a no-op for memory the model now views: its lease gives it back
-        self.version, self.session = header.version, header.session
-        warm = delivery.warm if adopted else None
-        del delivery, best
-        try:
-            for listener in self.apply_listeners:  # before the ack: a sync send() returns after them
-                listener(header.version)
-        finally:
-            endpoint.ack(Ack(self.worker_idx, header.version).encode())
+            self.version, self.session = header.version, header.session
+            warm = delivery.warm if adopted else None
+            del delivery, best
+            try:
+                for listener in self.apply_listeners:  # before the ack: a sync send() returns after them
+                    listener(header.version)
+            finally:
+                endpoint.ack(Ack(self.worker_idx, header.version).encode())
         # the ack has woken the sender; on few cores it would wait for the rest of this worker's
         # turn (the rest of this call, the worker's own work after it): let it, and any other
         # worker of this send not yet woken, run first (and before the page-table work of warming)
@@ -357,6 +362,28 @@ class Receiver:
         if header.session != self._ties_checked:
             _check_ties(targets, payload, layout, where)
             self._ties_checked = header.session
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold a SIGINT (Ctrl-C) that comes during the block and deliver it at the block's end, to the
+    handler that was there. Only the main thread runs signal handlers: elsewhere, and where no
+    Python handler is set, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = _signal.getsignal(_SIGINT)
+    if not callable(handler):  # SIG_IGN, SIG_DFL, or one set outside Python
+        yield
+        return
+    came: list[Any] = []
+    _signal.signal(_SIGINT, lambda signum, frame: came.append(frame))
+    try:
+        yield
+    finally:
+        _signal.signal(_SIGINT, handler)
+        if came:
+            handler(_SIGINT, came[0])  # Python's default raises KeyboardInterrupt here
 
 
 class _WroteSince(Exception):
