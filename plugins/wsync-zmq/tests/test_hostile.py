@@ -3,11 +3,13 @@ raises TransportError and keeps its last good version."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -140,11 +142,13 @@ class FakeSender:
         self.sock.close(linger=0)
 
 
-def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
+@contextlib.contextmanager
+def connected_to_fake(context: zmq.Context, source: torch.nn.Module, local: torch.nn.Module
+                      ) -> Iterator[tuple[FakeSender, WeightSyncScheme]]:
+    """A receiver of ``local`` connected to a FakeSender of ``source``, which delivered version 0;
+    the receiver shut down and the fake closed after."""
     address = ZmqTransport().options["address"]
-    source = make_model(0)
     fake = FakeSender(context, address, source)
-    local = make_model(1)
     receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
     receiver.init_on_receiver(model=local, worker_idx=0)
     thread = threading.Thread(target=receiver.connect)
@@ -154,6 +158,16 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
         fake.deliver(*fake.valid(0, layout=True))
         thread.join(30)
         assert receiver.version == 0 and digest(local) == digest(source)
+        yield fake, receiver
+    finally:
+        thread.join(30)
+        receiver.shutdown()
+        fake.close()
+
+
+def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
+    source, local = make_model(0), make_model(1)
+    with connected_to_fake(context, source, local) as (fake, receiver):
         good = digest(local)
 
         header, payload = fake.valid(1)
@@ -202,31 +216,14 @@ def test_receiver_rejects_malformed_truncated_and_oversized_messages(context):
         fake.tensors = flatten(source)
         fake.deliver(*fake.valid(2), separate=True)
         assert receiver.receive(timeout=10.0) == 2 and digest(local) == digest(source)
-    finally:
-        thread.join(30)
-        receiver.shutdown()
-        fake.close()
 
 
 def test_receiver_keeps_its_version_when_the_sender_dies(context):
-    address = ZmqTransport().options["address"]
-    source = make_model(0)
-    fake = FakeSender(context, address, source)
-    local = make_model(1)
-    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
-    receiver.init_on_receiver(model=local, worker_idx=0)
-    thread = threading.Thread(target=receiver.connect)
-    thread.start()
-    try:
-        fake.wait_hello()
-        fake.deliver(*fake.valid(0, layout=True))
-        thread.join(30)
+    source, local = make_model(0), make_model(1)
+    with connected_to_fake(context, source, local) as (fake, receiver):
         fake.close()
         assert receiver.receive(timeout=0.5) is None
         assert receiver.version == 0 and digest(local) == digest(source)
-    finally:
-        thread.join(30)
-        receiver.shutdown()
 
 
 def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
@@ -282,23 +279,16 @@ def test_a_receive_takes_what_arrived_when_its_timeout_leaves_no_time_to_ask(con
     inference loop) applies it without asking the sender for a newer one; with a short timeout it
     asks, and waits for the answer only until its timeout (it waited at least 0.5 s for the answer,
     then for the newer version, whatever its timeout)."""
-    address = ZmqTransport().options["address"]
-    source = make_model(0)
-    fake = FakeSender(context, address, source)
-    receiver = WeightSyncScheme("zmq", address=address, timeout=30.0)
-    receiver.init_on_receiver(model=make_model(1), worker_idx=0)
-    thread = threading.Thread(target=receiver.connect)
-    thread.start()
-    try:
-        fake.wait_hello()
-        fake.deliver(*fake.valid(0, layout=True))
-        thread.join(30)
-        fake.deliver(*fake.valid(1))
-        end = time.monotonic() + 30
-        got = None
+    def polled(receiver: WeightSyncScheme) -> int | None:
+        """What ``receive(timeout=0)`` in a loop applies first (this fake answers one probe only)."""
+        end, got = time.monotonic() + 30, None
         while got is None and time.monotonic() < end:
             got = receiver.receive(timeout=0.0)
-        assert got == 1
+        return got
+
+    with connected_to_fake(context, make_model(0), make_model(1)) as (fake, receiver):
+        fake.deliver(*fake.valid(1))
+        assert polled(receiver) == 1
         told = [message for _, message in iter(lambda: fake.sock.recv_multipart() if fake.sock.poll(300) else None, None)]
         assert told and not [m for m in told if m[:1] == PROBE], told  # acks and wants only
 
@@ -320,8 +310,4 @@ def test_a_receive_takes_what_arrived_when_its_timeout_leaves_no_time_to_ask(con
             assert receiver.receive(timeout=0.05) == 2
         finally:
             answering.join(30)
-        assert receiver.receive(timeout=10.0) == 3
-    finally:
-        thread.join(30)
-        receiver.shutdown()
-        fake.close()
+        assert polled(receiver) == 3
