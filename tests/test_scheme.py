@@ -513,6 +513,36 @@ def test_forked_child_starts_over_and_leaves_the_parent_alone(cluster):
 
 
 
+def test_an_inproc_scheme_in_another_process_says_inproc_is_for_threads():
+    """inproc carries weights between threads of one process: a scheme of it handed to another
+    process fails at connect() at once, saying so (it waited out its timeout, hinting at options)."""
+    import multiprocessing as mp
+
+    sender = WeightSyncScheme("inproc", timeout=30.0)
+    sender.init_on_sender(model=make_policy(0), num_workers=1)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+
+    def child(scheme, q):
+        scheme.init_on_receiver(model=make_policy(3), worker_idx=0)
+        try:
+            scheme.connect()
+            q.put("connected")
+        except TransportError as exc:
+            q.put(str(exc))
+        scheme.shutdown()
+
+    p = ctx.Process(target=child, args=(pickle.loads(pickle.dumps(sender)), out))
+    p.start()
+    try:
+        said = out.get(timeout=20)  # within the 30 s timeout: it does not wait
+    finally:
+        p.join(60)
+        sender.shutdown()
+    assert "inproc carries weights between threads of one process" in said and f"process {os.getpid()}" in said
+
+
+
 class _Keyed(InprocTransport):
     """inproc with options of its own, two of them secret."""
 

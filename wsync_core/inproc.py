@@ -8,6 +8,8 @@ buffer directly (zero-copy): the core never writes a buffer again once published
 from __future__ import annotations
 
 import math
+import os
+import re
 import threading
 import uuid
 from collections import deque
@@ -38,6 +40,8 @@ __all__ = ["InprocTransport"]
 
 _table_lock = threading.Lock()
 _channels: dict[str, _Channel] = {}
+#: the default channel name: the process that made it, and a unique part
+_DEFAULT_NAME = re.compile(r"inproc-([0-9]+)-[0-9a-f]{32}")
 
 
 def _wait_s(deadline: Deadline) -> float | None:
@@ -58,6 +62,14 @@ class _Channel:
 
     @staticmethod
     def attach(name: str) -> _Channel:
+        """The channel called ``name`` in this process's table. Raises TransportError for a default
+        name made in another process: a scheme pickled into a process of its own, which no sender
+        of this process's table will ever meet."""
+        made = _DEFAULT_NAME.fullmatch(name)
+        if made is not None and int(made[1]) != os.getpid():
+            raise TransportError(f"inproc carries weights between threads of one process: channel {name!r} "
+                                 f"was made in process {made[1]}, and this is process {os.getpid()}; between "
+                                 f"processes use another transport (shm, mp, tcp, ...: `wsync transports`)")
         with _table_lock:
             channel = _channels.get(name)
             if channel is None:
@@ -183,7 +195,7 @@ class InprocTransport(Transport):
     capabilities = Capabilities(processes=False, zero_copy=True)
 
     def __init__(self, *, channel: str | None = None, checksum: bool = False) -> None:
-        super().__init__(channel=channel or f"inproc-{uuid.uuid4().hex}",
+        super().__init__(channel=channel or f"inproc-{os.getpid()}-{uuid.uuid4().hex}",
                          checksum=flag("inproc option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
