@@ -202,13 +202,13 @@ class WsyncScheme(TorchRLScheme):
         ids = _worker_ids(worker_ids)
         if (isinstance(weights, Mapping) and not isinstance(weights, TensorDictBase) and len(weights) > 0
                 and all(isinstance(k, int) for k in weights)):
-            handles = [self._wsync.send_async(_as_weights(self._resolve(w)), worker_ids=[i])
-                       for i, w in sorted(weights.items()) if ids is None or i in ids]
+            targets = [i for i in sorted(weights) if ids is None or i in ids]
+            handles = [self._wsync.send_async(_as_weights(self._resolve(weights[i])), worker_ids=[i]) for i in targets]
             if self.sync:
                 for handle in handles:
                     handle.wait()
             else:
-                self._raise_dead(sorted(weights) if ids is None else ids)
+                self._raise_dead(targets)
             return
         if weights is None and getattr(self, "_factories_only", False):
             raise ValueError("the workers build their policies from distinct policy_factory entries, so the trainer "
