@@ -13,8 +13,10 @@ do the same (override ``write``/``read_into`` for other calls). The bases own:
   dropped (``Left`` on the sender), never delivered. Binary, with ``struct``: nothing unpickled.
 - **authentication** (when an ``authkey`` is given): an HMAC-SHA256 challenge-response both ways
   before the hello, compared in constant time.
-- **one I/O thread per endpoint** that never blocks on one peer: non-blocking streams, one
-  output queue per connection, newest-wins (a newer publish replaces an unsent older one: at
+- **one I/O thread per endpoint** that never blocks on one peer and moves payloads without the
+  endpoint's lock (a send, a poll or a wait for acks never waits for megabytes to be read or
+  written: the lock is taken per frame read, and to account for what a write took): non-blocking
+  streams, one output queue per connection, newest-wins (a newer publish replaces an unsent older one: at
   most one version waits per worker beyond the one being written, and it follows that one at once).
 - **no stale version after a pause**: a receiver whose ``recv`` finds something that came or
   began coming before it was called (a delivery waiting, one half read, bytes unread) sends a
@@ -458,12 +460,13 @@ class StreamSender(_Loop, SenderBase):
                     now = time.monotonic()
                     for conn in [*self.conns.values(), *self.strangers]:
                         self._guard(conn, lambda c=conn: self._idle(c, now))
-                        if conn.stream is None:
-                            continue
-                        if conn.pending is not None and conn.writing is None:
-                            self._guard(conn, lambda c=conn: self._queue(c))
-                        elif conn.out:  # e.g. what publish began: write on, and watch for room
-                            self._guard(conn, lambda c=conn: self._flush(c))
+                        if conn.stream is not None and conn.pending is not None and conn.writing is None:
+                            self._guard(conn, lambda c=conn: self._enqueue(c))
+                    # what each connection has to write (e.g. what publish began), written below
+                    writes = [(c, list(c.out)) for c in [*self.conns.values(), *self.strangers]
+                              if c.stream is not None and c.out]
+                for conn, views in writes:
+                    self._write_out(conn, views)
         except Exception as exc:  # noqa: BLE001 - the loop must not die silently: fail every worker
             log.exception("%s: the I/O thread failed", self.what)
             with self.cond:
@@ -505,13 +508,48 @@ class StreamSender(_Loop, SenderBase):
             conn.push(frame(Kind.CHALLENGE, conn.nonce))
             self._guard(conn, lambda: self._flush(conn))
 
+    def _write_out(self, conn: _Conn, views: list[memoryview]) -> None:
+        """Write the start of ``views`` (what ``conn.out`` held) up to a budget, without the lock:
+        a send or a wait for acks meanwhile does not wait for megabytes to be written. Only this
+        thread writes a connection whose queue is not empty, and only it closes one; the queue
+        only grows meanwhile. Then, with the lock, drop what went and watch for room for the rest."""
+        sent, budget, failure = 0, _WRITE_BUDGET, None
+        try:
+            for view in views:
+                done = 0
+                while done < len(view) and budget > 0:
+                    n = self.write(conn.stream, view[done:])
+                    done, sent, budget = done + n, sent + n, budget - n
+                if done < len(view):
+                    break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        with self.cond:
+            if conn.stream is None:
+                return
+            if sent:
+                conn.said = time.monotonic()
+            while sent:
+                head = conn.out[0]
+                if sent < len(head):
+                    conn.out[0], sent = head[sent:], 0
+                    break
+                sent -= len(head)
+                conn.out.popleft()
+                if not conn.out:
+                    self._guard(conn, lambda: self._written(conn))  # may queue the pending delivery
+            if failure is not None:
+                self._drop(conn, failure)
+            elif conn.stream is not None:
+                self._watch(conn)
+
     def _serve(self, conn: _Conn, mask: int) -> None:
         def step() -> None:
             if mask & selectors.EVENT_READ:
                 for f in self._read(conn):
                     self._frame(conn, f)
-            if conn.stream is not None:
-                self._flush(conn)
 
         if conn.stream is not None:  # not dropped earlier in this round (replaced, or a stranger too many)
             self._guard(conn, step)
