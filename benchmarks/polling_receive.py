@@ -4,7 +4,8 @@ A spawned trainer sends a ``--mib`` model (``sync=False``), pausing ``--pause-ms
 sends, for ``--seconds``; the worker (this process) calls ``receive(timeout=0)`` in a loop with a
 1 ms step between calls. What a serving loop pays per step: the calls that found nothing new
 (p50 / p99 / p99.9 / max, which must stay small while a version's bytes come in), and apart the
-calls that applied a version::
+calls that applied a version; and the trainer's side, each ``send()``, which must not wait for
+the bytes of the versions before it to be written::
 
     python benchmarks/polling_receive.py tcp --mib 256 --seconds 12
 """
@@ -25,7 +26,8 @@ def _model(mib: int) -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(mib << 18)}
 
 
-def _trainer(blob: Any, transport: str, options: dict, mib: int, pause_s: float, seconds: float) -> None:
+def _trainer(blob: Any, transport: str, options: dict, mib: int, pause_s: float, seconds: float,
+             sends: Any) -> None:
     torch.set_num_threads(1)
     model = _model(mib)
     scheme = WeightSyncScheme(transport, sync=False, timeout=60.0, **options)
@@ -33,13 +35,16 @@ def _trainer(blob: Any, transport: str, options: dict, mib: int, pause_s: float,
     blob.put(pickle.dumps(scheme))
     scheme.connect()
     end = time.monotonic() + seconds
-    version = 0
+    version, took = 0, []
     while time.monotonic() < end:
         version += 1
         model["w"].fill_(version)
+        t0 = time.perf_counter()
         scheme.send()
+        took.append(time.perf_counter() - t0)
         time.sleep(pause_s)
     scheme.shutdown()
+    sends.put(took)
 
 
 def _quantiles(samples: list[float]) -> str:
@@ -62,9 +67,9 @@ def main() -> None:
     options = dict(o.split("=", 1) for o in args.option)
     torch.set_num_threads(1)
     ctx = multiprocessing.get_context("spawn")
-    blob = ctx.Queue()
+    blob, sends = ctx.Queue(), ctx.Queue()
     trainer = ctx.Process(target=_trainer, args=(blob, args.transport, options, args.mib, args.pause_ms / 1e3,
-                                                 args.seconds))
+                                                 args.seconds, sends))
     trainer.start()
     scheme = pickle.loads(blob.get(timeout=120))
     scheme.init_on_receiver(model=_model(args.mib), worker_idx=0)
@@ -80,10 +85,12 @@ def main() -> None:
         if version is None:
             time.sleep(0.001)  # the serving loop's step
     scheme.shutdown()
+    took = sends.get(timeout=120)
     trainer.join(120)
     print(f"{args.transport}, {args.mib} MiB versions every send + {args.pause_ms:g} ms, {args.seconds:g} s")
     print(f"  receive(timeout=0) finding nothing new ({len(idle)} calls): {_quantiles(idle)}")
     print(f"  receive(timeout=0) applying a version ({len(applying)} calls): {_quantiles(applying)}")
+    print(f"  the trainer's send() with sync=False ({len(took)} calls): {_quantiles(took)}")
 
 
 if __name__ == "__main__":

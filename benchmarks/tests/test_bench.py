@@ -147,7 +147,7 @@ def test_waiting_receive_times_the_receives_that_took_a_version(tmp_path) -> Non
 
 
 def test_polling_receive_times_the_polls_that_found_nothing_and_those_that_applied(tmp_path) -> None:
-    """``benchmarks/polling_receive.py`` runs on the public API and prints both lines of percentiles."""
+    """``benchmarks/polling_receive.py`` runs on the public API and prints its three lines of percentiles."""
     script = Path(__file__).parents[1] / "polling_receive.py"
     out = subprocess.run([sys.executable, str(script), "unix", "--mib", "1", "--seconds", "3", "--pause-ms", "20"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -155,6 +155,8 @@ def test_polling_receive_times_the_polls_that_found_nothing_and_those_that_appli
     for what in ("finding nothing new", "applying a version"):
         assert re.search(rf"receive\(timeout=0\) {what} \([1-9][0-9]* calls\): p50 [0-9.]+  p99 [0-9.]+  "
                          rf"p99\.9 [0-9.]+  max [0-9.]+ ms", out.stdout), out.stdout
+    assert re.search(r"the trainer's send\(\) with sync=False \([1-9][0-9]* calls\): p50 [0-9.]+  p99 [0-9.]+  "
+                     r"p99\.9 [0-9.]+  max [0-9.]+ ms", out.stdout), out.stdout
 
 
 def test_python_floor_times_every_update_and_leaves_nothing_behind(tmp_path) -> None:
