@@ -5,6 +5,7 @@ never waits for the I/O thread's reads (wsync-tcp and wsync-unix test the rest w
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 
@@ -322,4 +323,62 @@ def test_a_send_returns_at_once_while_the_io_thread_writes_a_version() -> None:
     finally:
         gate.opened.set()
         receiver.shutdown()
+        sender.shutdown()
+
+
+class ChoppyPipeTransport(PipeTransport):
+    """PipeTransport whose sender writes and receivers read a few random bytes to 64 KiB per call:
+    every frame and payload is cut at arbitrary points, across the frames of a delivery."""
+
+    name = "choppy-pipes"
+
+    def sender(self, ctx: SenderContext) -> StreamSender:
+        endpoint, chance = super().sender(ctx), random.Random(7)
+        plain = endpoint.write
+        endpoint.write = lambda stream, data: plain(stream, data[:chance.choice((1, 5, 17, 4099, 65536))])
+        return endpoint
+
+    def receiver(self, ctx: ReceiverContext) -> StreamReceiver:
+        endpoint, chance = super().receiver(ctx), random.Random(ctx.worker_idx)
+        plain = endpoint.read_into
+        endpoint.read_into = lambda stream, view: plain(stream, view[:chance.choice((1, 3, 16, 1000, 65536))])
+        return endpoint
+
+
+def test_versions_cut_at_any_byte_arrive_exact() -> None:
+    """Writes that take any part of what is queued (the sender accounts for them after each
+    write, without its lock) and reads of any size deliver every version byte for byte."""
+    model = nn.Sequential(nn.Linear(200, 300), nn.Linear(300, 7))
+    theirs = [nn.Sequential(nn.Linear(200, 300), nn.Linear(300, 7)) for _ in range(2)]
+    sender = WeightSyncScheme(ChoppyPipeTransport(channel="choppy"), timeout=60.0)
+    sender.init_on_sender(model=model, num_workers=2)
+    receivers = [WeightSyncScheme(ChoppyPipeTransport(channel="choppy"), timeout=60.0) for _ in theirs]
+    for w, (r, m) in enumerate(zip(receivers, theirs)):
+        r.init_on_receiver(model=m, worker_idx=w)
+    done = threading.Event()
+
+    def work(r: WeightSyncScheme) -> None:
+        r.connect()
+        while not done.is_set():
+            r.receive(timeout=0.02)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    try:
+        sender.connect()
+        for version in range(1, 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.uniform_(-version, version)
+            assert sender.send() == version
+            for m in theirs:
+                for mine, got in zip(model.parameters(), m.parameters()):
+                    assert torch.equal(mine, got)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(30)
+        for r in receivers:
+            r.shutdown()
         sender.shutdown()
