@@ -1,6 +1,7 @@
 """The byte-stream base: its framing (what is written reads back; anything else is a Violation,
-checked before a byte of it is allocated), a stream that is not a socket, and a receive that
-never waits for the I/O thread's reads (wsync-tcp and wsync-unix test the rest with real sockets)."""
+checked before a byte of it is allocated), a stream that is not a socket, streams cut at any
+byte, and a receive or a send that never waits for the I/O thread's reads or writes (wsync-tcp
+and wsync-unix test the rest with real sockets)."""
 
 from __future__ import annotations
 
