@@ -253,3 +253,39 @@ def test_endpoints_closed_or_never_opened_raise_transport_error():
         sender.poll(Deadline(0.0))
     with pytest.raises(TransportError, match="closed"):
         sender.acquire(Deadline(0.0))
+
+
+def test_a_version_that_takes_longer_than_the_heartbeat_to_cross_arrives(sender, monkeypatch):
+    """A payload whose transfer lasts longer than ``heartbeat`` (a large model on a slow link)
+    reaches the worker: the link is alive while its bytes flow. It never did: ZMQ's heartbeats
+    count only whole messages as traffic, so the worker closed the connection mid-payload, again
+    at every try (a 32 MiB model on 20 Mbit/s links with the default 10 s never arrived). Here a
+    small send buffer on the sender slows loopback to about 2 MB/s, and the heartbeat is 0.3 s."""
+    import zmq
+    from wsync_zmq import sender as zmq_sender
+
+    plain = zmq_sender.configure
+
+    def slow(sock, *args, **kwargs):
+        plain(sock, *args, **kwargs)
+        sock.setsockopt(zmq.SNDBUF, 8192)
+
+    monkeypatch.setattr(zmq_sender, "configure", slow)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB: about 2 s here
+    scheme = sender(1, model, heartbeat=0.3, timeout=60.0)
+    receiver = pickle.loads(pickle.dumps(scheme))  # the same options, the heartbeat included
+    local = torch.nn.Linear(1024, 1024)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    thread = threading.Thread(target=receiver.connect, kwargs={"timeout": 60.0})
+    thread.start()
+    try:
+        scheme.connect(timeout=60.0)
+        thread.join(60)
+        assert torch.equal(local.weight, model.weight)
+        bump(model)
+        handle = scheme.send_async()
+        assert receiver.wait_for_version(1, timeout=60.0) == 1
+        assert handle.wait(60.0) == 1 and torch.equal(local.weight, model.weight)
+    finally:
+        thread.join(60)
+        receiver.shutdown()

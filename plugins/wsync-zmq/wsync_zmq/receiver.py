@@ -67,7 +67,8 @@ class ZmqReceiver(ReceiverBase):
         self._connected = self._wanted = False
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.DEALER)
-        configure(sock, opts, DELIVERY_HEAD + self._max_header + self._nbytes, rcvhwm=4, sndhwm=64)
+        configure(sock, opts, DELIVERY_HEAD + self._max_header + self._nbytes, rcvhwm=4, sndhwm=64,
+                  receives_payloads=True)
         if opts["curve_server_key"]:
             sock.curve_serverkey = opts["curve_server_key"].encode()
             if opts["curve_client_key"]:

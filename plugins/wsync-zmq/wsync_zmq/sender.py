@@ -94,7 +94,7 @@ class ZmqSender(SenderBase):
         self._poller = zmq.Poller()
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.ROUTER)
-        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8)
+        configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8, receives_payloads=False)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if opts["curve_server_key"]:
             sock.curve_server = True

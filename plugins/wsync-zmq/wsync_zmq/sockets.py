@@ -16,19 +16,34 @@ __all__ = ["log", "configure", "monitor_events", "rest_of", "close_all", "wrap"]
 
 log = logging.getLogger("wsync.zmq")
 _POLLIN = int(zmq.POLLIN)
+#: a heartbeat timeout that never ends a connection (the largest ZMQ takes)
+_NEVER_MS = 2**31 - 1
 
 
-def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int) -> None:
-    """Set linger, heartbeats (a silent peer's connection is closed: a cut link sends no reset),
-    the largest frame accepted and the messages queued per peer each way."""
+def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int, *,
+              receives_payloads: bool) -> None:
+    """Set linger, liveness checks (a silent peer's connection is closed: a cut link sends no
+    reset), the largest frame accepted and the messages queued per peer each way.
+
+    Both sides ping every ``heartbeat / 4`` seconds (at most 1 s), and give up a connection whose
+    bytes stay unacknowledged for ``heartbeat`` seconds (TCP's user timeout). ZMQ's heartbeat
+    timeouts count only whole messages as traffic, so only the sender, which the worker's pings
+    reach while it writes a payload, times its peer out with them; the worker (``receives_payloads``)
+    does not, and the sender's pings carry no time-to-live: either would close the connection in
+    the middle of every payload that takes longer than ``heartbeat`` to cross (a large model on a
+    slow link), and no version would ever arrive."""
     timeout_ms = max(100, int(math.ceil(options["heartbeat"] * 1000)))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SNDHWM, sndhwm)
     sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, max(50, timeout_ms // 4)))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500) // 100 * 100)
+    sock.setsockopt(zmq.TCP_MAXRT, timeout_ms)
+    if receives_payloads:  # the sender's side times this worker out: its pings ask for it
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _NEVER_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500) // 100 * 100)
+    else:
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
 
 
 def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:

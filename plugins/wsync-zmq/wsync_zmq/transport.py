@@ -69,9 +69,10 @@ class ZmqTransport(Transport):
 
     Options: ``address`` (where receivers connect, default ``tcp://127.0.0.1:<free port>``),
     ``bind`` (what the sender binds, default ``address``; e.g. ``tcp://0.0.0.0:5555``),
-    ``checksum`` (XXH3-64 checksums of every payload, default True), ``heartbeat`` (seconds without traffic
-    before a peer counts as gone, default 10), and CURVE: ``curve_server_key`` (the sender's
-    public key; setting it requires CURVE on both sides), ``curve_server_secret`` (sender only),
+    ``checksum`` (XXH3-64 checksums of every payload, default True), ``heartbeat`` (seconds a link
+    may stay silent before its peer counts as gone, default 10; a payload may take longer to
+    cross), and CURVE: ``curve_server_key`` (the sender's public key; setting it requires CURVE
+    on both sides), ``curve_server_secret`` (sender only),
     ``curve_client_key``/``curve_client_secret`` (a receiver's pair; default a fresh one) and
     ``curve_allowed_clients`` (public keys the sender accepts; default any holder of the server key).
     """
