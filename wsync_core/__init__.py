@@ -43,6 +43,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
     free_port,
+    is_loopback,
     zero_copy_for,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "Wakeup",
     "Layout",
     "free_port",
+    "is_loopback",
     "zero_copy_for",
     "MAX_HEADER_BYTES",
     "MAX_ACK_BYTES",

@@ -31,6 +31,7 @@ limits: docs/writing-a-transport.md.
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -56,6 +57,7 @@ __all__ = [
     "ReceiverEndpoint",
     "Transport",
     "free_port",
+    "is_loopback",
     "check_options",
     "parse_options",
     "parse_value",
@@ -392,6 +394,17 @@ def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:
     if option is not None:
         return bool(option) and ctx.device.type == "cpu"
     return ctx.device.type == "cpu" and ctx.layout.nbytes >= ZERO_COPY_MIN_BYTES
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback, whose bytes never
+    cross a wire: a network transport's ``checksum`` option defaults to off there, on elsewhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

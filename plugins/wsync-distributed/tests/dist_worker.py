@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -111,8 +112,11 @@ def main() -> None:
     finally:
         lo, hi = bounds()
         version = scheme.version
+        t0 = time.monotonic()
         scheme.shutdown()
-        say(event="done", version=version, lo=lo, hi=hi, slowest=slowest)
+        left = sorted(t.name for t in threading.enumerate() if t.name.startswith("wsync"))
+        say(event="done", version=version, lo=lo, hi=hi, slowest=slowest, shutdown_s=time.monotonic() - t0,
+            threads=left)
 
 
 if __name__ == "__main__":

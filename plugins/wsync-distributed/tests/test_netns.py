@@ -1,7 +1,7 @@
 """Receivers on other "hosts": network namespaces on a bridge with this process (root only). One
 receiver gets versions across the bridge; one whose link is cut mid-send is named within the
 send's timeout while the other is updated, and once its link is back it joins again and gets the
-newest version."""
+newest version; one shut down while its link is cut stops within seconds."""
 
 from __future__ import annotations
 
@@ -100,3 +100,26 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
             assert applied[-1]["version"] == 4 and applied[-1]["lo"] == applied[-1]["hi"] == 4.0, applied
             versions = [line["version"] for line in applied]
             assert versions == sorted(set(versions)), versions
+
+
+def test_a_receiver_shut_down_while_its_link_is_cut_stops_in_seconds(workers):
+    """A worker whose link to the sender is down shuts down within a few heartbeats and leaves no
+    thread. It took 130 s and left two (with ``timeout=60``): its threads' calls to the sender's
+    store waited on the dead link for TCP to give up, which store timeouts do not bound; the
+    store's sockets now fail once the link is silent for about ``heartbeat_timeout``."""
+    with _hosts(2) as (here, there):
+        scheme = WeightSyncScheme("distributed", timeout=30.0, host=here.address, backend="gloo",
+                                  heartbeat_timeout=HEARTBEAT)
+        w = weights("base", 0.0)
+        scheme.init_on_sender(weights=w, num_workers=1)
+        tail = Tail(workers({"options": scheme.transport.options, "idx": 0, "until": 99, "run_s": 6.0,
+                             "timeout": 30.0, "keep_going": True}, prefix=there.prefix))
+        try:
+            scheme.connect()
+            tail.applied(0, 60)
+            there.cut()  # its run ends a few seconds later, with the link still down
+            done = tail.wait_for(lambda line: line["event"] == "done", 120)
+        finally:
+            there.restore()
+            scheme.shutdown()
+        assert done["shutdown_s"] < 4 * HEARTBEAT + 5.0 and done["threads"] == [], done

@@ -85,12 +85,12 @@ class DistributedReceiver(ReceiverBase):
 
     # -- the core's calls ------------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
-        self.store = wire.connect(self.cfg, deadline)
+        self.store = self._connect(deadline)
         try:
-            self.asker = wire.clone(self.store)
+            self.asker = self._clone()
             self.store.add(wire.heartbeat_key(self.worker), 1)
             for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
-                thread = threading.Thread(target=target, args=(wire.clone(self.store),),
+                thread = threading.Thread(target=target, args=(self._clone(),),
                                           name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
                 thread.start()
                 self.threads.append(thread)
@@ -126,7 +126,7 @@ class DistributedReceiver(ReceiverBase):
             return None
         try:
             if asker is None:
-                asker = self.asker = wire.connect(self.cfg, Deadline(wait))
+                asker = self.asker = self._connect(Deadline(wait))
             asker.set_timeout(timedelta(seconds=wait))
             return asker.add(wire.published_key(self.worker), 0)  # 0 if nothing was published to it yet
         except (RuntimeError, TransportError) as exc:
@@ -137,7 +137,9 @@ class DistributedReceiver(ReceiverBase):
     def stop(self) -> None:
         self.stopped.set()
         store = self.store
-        if store is not None and not self.bye:  # after "bye" the store is gone (its client would log errors)
+        # after "bye" the store is gone (its client would log errors); out of reach, a goodbye waits
+        # out a dead link: the sender gives this worker up on its own
+        if store is not None and not self.bye and not self._cut_off():
             try:
                 store.queue_push(wire.EVENTS, wire.encode_event(wire.LEAVE, self.worker,
                                                                 wire.from_inbox(self.inbox, b"receiver shut down")))
@@ -154,6 +156,14 @@ class DistributedReceiver(ReceiverBase):
         self.threads.clear()
         self.link = None
         self.store = self.asker = None
+
+    def _connect(self, deadline: Deadline) -> dist.Store:
+        """A new client of the sender's store (``wire.connect``) that fails on a dead link."""
+        return wire.watched(self.cfg, lambda: wire.connect(self.cfg, deadline))
+
+    def _clone(self) -> dist.Store:
+        """Another client of the sender's store, for one more thread, that fails on a dead link."""
+        return wire.watched(self.cfg, lambda: wire.clone(self.store))
 
     # -- buffers ---------------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -244,7 +254,7 @@ class DistributedReceiver(ReceiverBase):
         while not self.stopped.wait(HEARTBEAT_S):
             try:
                 if store is None:
-                    store = wire.connect(self.cfg, Deadline(wait))
+                    store = self._connect(Deadline(wait))
                     store.set_timeout(timedelta(seconds=wait))
                 store.add(key, 1)
                 self.beat_at = time.monotonic()
@@ -323,7 +333,7 @@ class DistributedReceiver(ReceiverBase):
         wait = max(1.0, self.cfg.heartbeat_timeout)
         while not self.stopped.is_set():
             try:
-                store = wire.connect(self.cfg, Deadline(wait))
+                store = self._connect(Deadline(wait))
                 self._join(store)
             except (RuntimeError, TransportError) as exc:
                 self.fail(f"the sender's store at {self.cfg.host}:{self.cfg.port} is out of reach (the sender "
@@ -347,8 +357,8 @@ class DistributedReceiver(ReceiverBase):
 
         def reap() -> None:
             if link is not None:
-                _abort(link[1])
-            _settle(pending.pop() or [], self.cfg.timeout)
+                wire.abort(link[1])
+            wire.settle(pending.pop() or [], self.cfg.timeout)
             if slot is not None:
                 self._release(slot)
 
@@ -406,17 +416,3 @@ class DistributedReceiver(ReceiverBase):
             with self.cond:
                 self.filled = (ctl.seq, slot, ctl.nbytes)
 
-
-def _settle(works: list, timeout: float) -> None:
-    """Wait (at most ``timeout`` s) until every work has ended, whether it failed or not."""
-    end = time.monotonic() + timeout
-    for work in works:
-        while not work.is_completed() and time.monotonic() < end:
-            time.sleep(0.005)
-
-
-def _abort(group: dist.ProcessGroup) -> None:
-    try:
-        group.abort()
-    except RuntimeError as exc:
-        log.debug("distributed: aborting a link: %s", wire.brief(exc))

@@ -443,7 +443,7 @@ class DistributedSender(SenderBase):
                 with self.cond:
                     lane.current = None
                     self.let_go(job.buffer, lane.worker)
-        _abort(lane.group)
+        wire.abort(lane.group)
         lane.group = None
 
     def _send(self, store: dist.Store, lane: _Lane, job: _Job) -> None:
@@ -470,7 +470,7 @@ class DistributedSender(SenderBase):
                 group = wire.new_group(self.cfg, store, lane.link, 0)
                 with self.cond:
                     if lane.gone:  # given up while the link was being made
-                        _abort(group)
+                        wire.abort(group)
                         raise TransportError("given up while its link was being made")
                     lane.group = group
                 log.debug("distributed sender: link %s to worker %d ready in %.3f s", lane.link, lane.worker,
@@ -487,8 +487,8 @@ class DistributedSender(SenderBase):
                             cuda)
         except (RuntimeError, TransportError) as exc:
             group, lane.group = lane.group, None
-            _abort(group)
-            _settle(works, self.cfg.timeout)  # gloo may still read the buffer until its works end
+            wire.abort(group)
+            wire.settle(works, self.cfg.timeout)  # gloo may still read the buffer until its works end
             raise TransportError(f"link {lane.link}: {wire.brief(exc)}") from exc
         if header is None and stream is not None:
             header = self._header(stream, lane, wait=True)
@@ -517,24 +517,6 @@ class DistributedSender(SenderBase):
                     stream.abandoned = True
                     return
                 self.cond.wait(deadline.slice(1.0))
-
-
-def _abort(group: dist.ProcessGroup | None) -> None:
-    """Abort ``group``: its pending works end (with an error), its connections close."""
-    if group is None:
-        return
-    try:
-        group.abort()
-    except RuntimeError as exc:
-        log.debug("distributed: aborting a link: %s", wire.brief(exc))
-
-
-def _settle(works: list, timeout: float) -> None:
-    """Wait (at most ``timeout`` s) until every work has ended, whether it failed or not."""
-    end = time.monotonic() + timeout
-    for work in works:
-        while not work.is_completed() and time.monotonic() < end:
-            time.sleep(0.005)
 
 
 def _after_fork_in_child() -> None:

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port, is_loopback
 from wsync_core.transport import flag
 
 from .config import Config
@@ -61,7 +61,10 @@ class DistributedTransport(Transport):
     address for data connections; default: the interface that routes to ``host``), ``devices``
     (Gloo connections per link), ``stream`` (broadcast a snapshot while the core still copies it; off, the copy
     finishes first: better only where the copy and the network compete for too few cores),
-    ``checksum`` (implies no streaming: the core checksums the whole payload first).
+    ``checksum`` (XXH3-64 checksums of every payload, checked before it is applied: damage that
+    TCP's own checksum misses on a real network is caught; default on with gloo when ``host`` is
+    not a loopback address, off otherwise; implies no streaming: the core checksums the whole
+    payload first).
     """
 
     name = "distributed"
@@ -90,7 +93,7 @@ class DistributedTransport(Transport):
         prefix: str = "wsync",
         devices: int = 2,
         stream: bool = True,
-        checksum: bool = False,
+        checksum: bool | None = None,
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"distributed: backend must be one of {_BACKENDS}, got {backend!r}")
@@ -112,7 +115,8 @@ class DistributedTransport(Transport):
                          bucket_mb=float(bucket_mb), collective_timeout=float(collective_timeout),
                          heartbeat_timeout=float(heartbeat_timeout), bind=bind, prefix=str(prefix),
                          devices=devices, stream=flag("distributed option stream", stream),
-                         checksum=flag("distributed option checksum", checksum))
+                         checksum=(backend == "gloo" and not is_loopback(str(host)) if checksum is None
+                                   else flag("distributed option checksum", checksum)))
 
     def config(self) -> Config:
         """The options resolved for this process (``rank`` from ``RANK`` under a launcher)."""

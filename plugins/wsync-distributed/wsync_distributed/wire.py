@@ -35,6 +35,8 @@ only through broadcasts.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
 import struct
 import threading
@@ -42,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,9 +56,11 @@ from .config import Config
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
     "inbox_key", "heartbeat_key", "evict_key", "published_key", "encode_event", "decode_event", "from_inbox", "split_inbox", "encode_control", "decode_control",
-    "POP_TIMEOUT", "listen", "connect", "clone", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
+    "POP_TIMEOUT", "listen", "connect", "clone", "watched", "abort", "settle", "new_group", "broadcast", "broadcast_part", "wait_works", "KINDS",
     "spans",
 ]
+
+log = logging.getLogger("wsync.distributed")
 
 EVENTS = "events"
 JOIN, ACK, LEAVE, STOP = b"J", b"A", b"L", b"S"
@@ -218,6 +222,84 @@ def clone(store: dist.Store, timeout: timedelta = POP_TIMEOUT) -> dist.Store:
     other = store.clone()
     other.set_timeout(timeout)
     return other
+
+
+_T = TypeVar("_T")
+#: store clients open one at a time in ``watched``, so that the descriptors that appear are theirs
+_OPENING = threading.Lock()
+
+
+def watched(cfg: Config, make: Callable[[], _T]) -> _T:
+    """``make()``, which opens clients of the sender's store, with their sockets set to fail once
+    the link has been silent for about ``heartbeat_timeout`` (TCP keepalive, and TCP's user
+    timeout for bytes left unacknowledged). A store call blocked on a cut link then raises instead
+    of waiting for TCP to give up (many minutes; store timeouts bound waits for keys, not a dead
+    socket), so a worker's threads end soon after it stops."""
+    with _OPENING:
+        before = _descriptors()
+        made = make()
+        fresh = _descriptors() - before
+    for fd in fresh:
+        _keep_alive(fd, cfg.port, cfg.heartbeat_timeout)
+    return made
+
+
+def _descriptors() -> set[str]:
+    """This process's open descriptors (not the one listing them used: it is closed again)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: the sockets keep TCP's own bounds
+        return set()
+    return {name for name in names if _open(name)}
+
+
+def _open(fd: str) -> bool:
+    try:
+        os.fstat(int(fd))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _keep_alive(fd: str, port: int, seconds: float) -> None:
+    """Make ``fd``, if it is a TCP connection to ``port``, fail after ``seconds`` of a silent link."""
+    try:
+        sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate: closing it leaves the store's own
+    except (OSError, ValueError):
+        return
+    with sock:
+        try:
+            if (sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6)
+                    or sock.getpeername()[1] != port):
+                return
+            idle = max(1, round(seconds))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (idle + 3) * 1000)
+        except OSError:
+            return
+
+
+def abort(group: dist.ProcessGroup | None) -> None:
+    """Abort ``group`` (a link): its connections close, its pending works end with an error."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except RuntimeError as exc:
+        log.debug("distributed: aborting a link: %s", brief(exc))
+
+
+def settle(works: Sequence[Any], timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until every work has ended, whether it failed or not: gloo may
+    read or write a work's tensors until then. (Dropping the last reference to a work that has not
+    ended waits for it too: an aborted link's works end at gloo's timeout, ``collective_timeout``.)"""
+    end = time.monotonic() + timeout
+    for work in works:
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(0.005)
 
 
 def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int = 2) -> dist.ProcessGroup:

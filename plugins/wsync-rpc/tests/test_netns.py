@@ -1,4 +1,7 @@
-"""A receiver on another "host": its own network namespace, on a bridge with this process (root only)."""
+"""A receiver on another "host": its own network and PID namespaces, on a bridge with this process
+(root only). Its own PID namespace too, as on another machine: within one, TensorPipe moves
+payloads by ``cma`` (reading the other process's memory), and only control messages would cross
+the bridge."""
 
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def _sender(options: dict, out) -> None:
 def test_receiver_in_another_namespace(hosts, workers):
     here, there = hosts
     options = WeightSyncScheme("rpc", host=here.address, rpc_timeout=20.0, world_size=2).transport.options
-    proc = workers({"options": options, "idx": 0, "until": 2}, prefix=there.prefix)
+    proc = workers({"options": options, "idx": 0, "until": 2},
+                   prefix=(*there.prefix, "unshare", "--pid", "--fork", "--mount-proc"))
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     sender = ctx.Process(target=_sender, args=(options, out))
@@ -58,3 +62,4 @@ def test_receiver_in_another_namespace(hosts, workers):
     applied = [line for line in proc.lines() if line["event"] == "applied"]
     assert [line["version"] for line in applied] == [0, 1, 2]
     assert applied[-1]["sum"] == 2.0 * 32
+    assert options["checksum"] is True  # across hosts, by default

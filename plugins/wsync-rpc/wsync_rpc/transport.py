@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 import torch.distributed.rpc as rpc
-from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port
+from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port, is_loopback
 from wsync_core.transport import flag
 
 __all__ = ["RpcTransport"]
@@ -25,8 +25,9 @@ class RpcTransport(Transport):
     Options: ``host`` and ``port`` of the rendezvous store the sender hosts (default 127.0.0.1
     and a free port, resolved once so every copy meets there), ``world_size`` (num_workers + 1;
     filled in by the sender, required by receivers started on their own), ``rpc_timeout``
-    (seconds for every RPC), ``checksum``. One RPC agent per process: a process hosts one
-    endpoint at a time.
+    (seconds for every RPC), ``checksum`` (XXH3-64 checksums of every payload, checked before it is
+    applied; default on when ``host`` is not a loopback address). One RPC agent per process: a
+    process hosts one endpoint at a time.
     """
 
     name = "rpc"
@@ -41,13 +42,14 @@ class RpcTransport(Transport):
         return {"host": host_address, "rpc_timeout": 20.0}
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, world_size: int | None = None,
-                 rpc_timeout: float = 60.0, checksum: bool = False) -> None:
+                 rpc_timeout: float = 60.0, checksum: bool | None = None) -> None:
         if not float(rpc_timeout) > 0:
             raise ValueError(f"rpc: rpc_timeout must be > 0, got {rpc_timeout!r}")
         if world_size is not None and not (isinstance(world_size, int) and world_size >= 2):
             raise ValueError(f"rpc: world_size must be an int >= 2 (num_workers + 1), got {world_size!r}")
         super().__init__(host=str(host), port=int(port) if port else free_port(str(host)), world_size=world_size,
-                         rpc_timeout=float(rpc_timeout), checksum=flag("rpc option checksum", checksum))
+                         rpc_timeout=float(rpc_timeout),
+                         checksum=not is_loopback(str(host)) if checksum is None else flag("rpc option checksum", checksum))
 
     def sender(self, ctx: SenderContext):
         from .endpoints import RpcSender
