@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import threading
+import time
 
 import torch
 from hypothesis import given, settings
@@ -17,7 +18,7 @@ from torch import nn
 
 from core_helpers import connect_both
 from wsync_core import (Capabilities, ReceiverContext, SenderContext, StreamReceiver, StreamSender, Transport,
-                        WeightSyncScheme)
+                        TransportError, WeightSyncScheme)
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.stream import Kind, Violation, _Reader, frame
 
@@ -382,4 +383,67 @@ def test_versions_cut_at_any_byte_arrive_exact() -> None:
             t.join(30)
         for r in receivers:
             r.shutdown()
+        sender.shutdown()
+
+
+class GarblingPipeTransport(PipeTransport):
+    """PipeTransport whose sender, once ``garble`` is set, drops one byte of the next payload it
+    writes (and counts it written): the stream is out of step from there, as after damage in
+    transit that TCP did not catch."""
+
+    name = "garbling-pipes"
+    garble = [False]
+
+    def __init__(self, *, channel: str = "garbled", checksum: bool = True) -> None:
+        Transport.__init__(self, channel=channel, checksum=checksum)  # a damaged payload is refused
+
+    def sender(self, ctx: SenderContext) -> StreamSender:
+        endpoint, garble = super().sender(ctx), self.garble
+        plain = endpoint.write
+
+        def write(stream, data: memoryview) -> int:
+            if garble[0] and len(data) > 1000:
+                garble[0] = False
+                n = plain(stream, data[1:])
+                return n + 1 if n == len(data) - 1 else n
+            return plain(stream, data)
+
+        endpoint.write = write
+        return endpoint
+
+
+def test_a_worker_whose_stream_broke_reports_it_then_connects_again() -> None:
+    """A stream that goes out of step (a frame that is not one) raises TransportError naming it
+    from the worker's next receive, and the worker connects again by itself: the next version
+    reaches it (and the version the damaged stream carried, again, whole). Before, the worker stopped
+    for good: every later call raised the same error, and the sender named it gone in every send
+    (seen once over an emulated link)."""
+    GarblingPipeTransport.garble[0] = False
+    model, theirs = nn.Linear(64, 64), nn.Linear(64, 64)
+    sender = WeightSyncScheme(GarblingPipeTransport(channel="garbled"), timeout=30.0)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver = WeightSyncScheme(GarblingPipeTransport(channel="garbled"), timeout=30.0)
+    receiver.init_on_receiver(model=theirs, worker_idx=0)
+    assert connect_both(sender, receiver) == (None, None)
+    try:
+        GarblingPipeTransport.garble[0] = True
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        handle = sender.send_async()
+        errors = []
+        deadline = time.monotonic() + 30
+        while receiver.version < 1 and time.monotonic() < deadline:
+            try:
+                receiver.receive(timeout=0.5)
+            except TransportError as exc:
+                errors.append(str(exc))
+        assert any("not a wsync stream" in e for e in errors), errors
+        assert torch.equal(model.weight, theirs.weight)  # version 1 came again, whole, on the new connection
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        handle = sender.send_async()
+        assert receiver.wait_for_version(2, timeout=30.0) == 2 and handle.wait(30) == 2
+        assert torch.equal(model.weight, theirs.weight)
+    finally:
+        receiver.shutdown()
         sender.shutdown()

@@ -27,7 +27,9 @@ do the same (override ``write``/``read_into`` for other calls). The bases own:
 - **membership**: a hello names the worker; a new hello for a worker replaces its connection
   (``Joined`` again); a connection that ends, errs, breaks the protocol or is silent for
   ``heartbeat`` seconds is reported ``Left``. Each side pings when idle, so a cut link is
-  noticed within ``heartbeat`` seconds. A receiver reconnects by itself under its index.
+  noticed within ``heartbeat`` seconds. A receiver reconnects by itself under its index, also
+  after its stream went out of step (``recv`` raises that until a delivery comes on the new
+  connection).
 - **receivers** keep only the newest delivery, read straight into a buffer of their own (which
   the core may adopt), and hand a payload of another size over as its header and a ``meta``
   tensor so the core names the mismatch.
@@ -76,6 +78,8 @@ _MAX_BACKLOG = 1 << 20
 _MAX_STRANGERS = 64
 #: events waiting for poll() at most: a worker that acks past this (one ack per delivery is expected) is dropped
 _MAX_EVENTS = 65536
+#: seconds a receiver waits before connecting again after a connection went out of step (doubling to 1 s)
+_BROKEN_DELAY_S = 0.05
 #: bytes written to one peer before the I/O thread turns to the others
 _WRITE_BUDGET = 8 << 20
 #: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
@@ -696,6 +700,8 @@ class StreamReceiver(_Loop, ReceiverBase):
         self.adopt = zero_copy_for(adopt, ctx)
         self.conn: _Conn | None = None
         self._spare: list[torch.Tensor] = []
+        self._broken = False  # the last connection went out of step (a protocol violation)
+        self._broken_delay = _BROKEN_DELAY_S  # the wait before connecting again after one
         self._probes = 0  # the number of the last probe sent
         self._answered = 0  # the number of the last probe the sender answered
 
@@ -776,6 +782,10 @@ class StreamReceiver(_Loop, ReceiverBase):
             if reason is not None:
                 self.fail(reason)
                 return
+            if self._broken:  # the connection went out of step: connect again, not at once every time
+                with self.cond:
+                    self.cond.wait(self._broken_delay)
+                self._broken_delay = min(self._broken_delay * 2, 1.0)
 
     def _serve(self, stream: Stream) -> str | None:
         """Talk to the sender over ``stream`` until it ends; returns a reason to stop for good, or None."""
@@ -815,8 +825,13 @@ class StreamReceiver(_Loop, ReceiverBase):
             if conn.stage == "proof":
                 return "the sender closed the connection during the handshake (wrong authkey?)"
             return None
-        except Violation as exc:
-            return f"the sender broke the protocol: {exc}"
+        except Violation as exc:  # damage in transit that TCP let through, or a sender's bug: report it,
+            # and connect again (recv raises it until a delivery comes on a new connection)
+            reason = f"the sender broke the protocol: {exc}; connecting again"
+            log.warning("%s: %s", self.what, reason)
+            self._broken = True
+            self.fail(reason)
+            return None
         except OSError as exc:
             log.info("%s: connection to the sender lost (%s); reconnecting", self.what, exc)
             return None
@@ -856,6 +871,9 @@ class StreamReceiver(_Loop, ReceiverBase):
             self._answered = max(self._answered, f.a)
             self.cond.notify_all()
         elif f.kind == Kind.DELIVER:
+            if self._broken:  # in step again: recv stops reporting the broken connection
+                self._broken, self._broken_delay = False, _BROKEN_DELAY_S
+                self.clear_failure()
             payload = f.payload
             if payload is None and f.b == 0:
                 self.put(Delivery(f.body, torch.empty(0, dtype=torch.uint8)))
