@@ -64,7 +64,7 @@ def test_cli_smoke(tmp_path, capsys) -> None:
     rows = {(r["system"], r["size"]): r for r in data["rows"]}
     for size in ("8KiB",):
         assert len(rows["memcpy", size]["latencies_s"]) >= 5
-        assert len(rows["unix", size]["latencies_s"]) >= 5 and rows["unix", size]["workers"] == 2
+        assert len(rows["raw unix", size]["latencies_s"]) >= 5 and rows["raw unix", size]["workers"] == 2
         for system in systems:
             row = rows[system, size]
             assert row["error"] is None, row["error"]

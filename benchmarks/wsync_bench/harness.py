@@ -123,7 +123,7 @@ class Row:
     @property
     def gib_per_s(self) -> float | None:
         m = self.median_s
-        return self.nbytes / m / 2**30 if m and self.system != "unix" else None  # the unix floor moves 16 bytes
+        return self.nbytes / m / 2**30 if m and self.system != UNIX_FLOOR else None  # the unix floor moves 16 bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -675,6 +675,8 @@ def tcp_floor(nbytes: int, repeat: int) -> list[float]:
 #: isolation copies, what no transport that keeps every worker's model its own can skip
 CUDA_FLOORS = {"cuda copy": "copy", "cuda isolation copies": "isolation", "cuda staged copies": "staged"}
 
+#: the floors' names: never a transport's (``unix`` and ``tcp`` are transports too)
+UNIX_FLOOR, TCP_FLOOR = "raw unix", "raw tcp"
 #: the unix floor is measured at model sizes up to this one, where a control round trip matters
 UNIX_FLOOR_MAX_BYTES = 1 << 20
 
@@ -823,7 +825,7 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
         raise ValueError(f"workers and repeat must be >= 1, got {config.workers} and {config.repeat}")
     systems = _systems(config)
     network = any(kind == "wsync" and _network(s) for s, kind in systems)
-    floors = (["memcpy"] if config.device == "cpu" else list(CUDA_FLOORS)) + (["tcp"] if network else [])
+    floors = (["memcpy"] if config.device == "cpu" else list(CUDA_FLOORS)) + ([TCP_FLOOR] if network else [])
     bar = _Progress(len(config.sizes) * (len(floors) + len(systems)), progress)
     rows: list[Row] = []
     try:
@@ -831,8 +833,8 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
             nbytes = max(nbytes // 4, 1) * 4  # what the model really holds
             # on a GPU the wake-up and ack can outweigh the copy at any size
             unix = nbytes <= UNIX_FLOOR_MAX_BYTES or config.device == "cuda"
-            here = floors + (["unix"] if unix else [])
-            floor_rows = [Row(name, "floor", nbytes, config.workers if name in ("unix", *CUDA_FLOORS) else None,
+            here = floors + ([UNIX_FLOOR] if unix else [])
+            floor_rows = [Row(name, "floor", nbytes, config.workers if name in (UNIX_FLOOR, *CUDA_FLOORS) else None,
                               threads=SENDER_THREADS if name == "memcpy" else None)
                           for name in here]
             rows += floor_rows
@@ -864,7 +866,7 @@ def run(config: BenchConfig, progress: bool = True) -> Report:
     base = "memcpy" if config.device == "cpu" else "cuda isolation copies"
     floor = {r.nbytes: r.median_s for r in rows if r.system == base}
     for r in rows:
-        if r.median_s and floor.get(r.nbytes) and r.system != "unix":
+        if r.median_s and floor.get(r.nbytes) and r.system != UNIX_FLOOR:
             r.x_memcpy = r.median_s / floor[r.nbytes]
     return Report(config, machine_info(config.device), rows)
 
@@ -877,7 +879,7 @@ def _measure_floor(row: Row, repeat: int) -> None:
             row.latencies_s += memcpy_floor(row.nbytes, repeat)
         elif row.system in CUDA_FLOORS:
             row.latencies_s += cuda_floor(row.nbytes, repeat, row.workers, CUDA_FLOORS[row.system])
-        elif row.system == "unix":
+        elif row.system == UNIX_FLOOR:
             row.latencies_s += unix_floor(row.workers, repeat)
         else:
             row.latencies_s += tcp_floor(row.nbytes, repeat)
@@ -994,14 +996,14 @@ def plot(report: Report, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=100)
     names = list(dict.fromkeys(r.system for r in report.rows))
     for name in names:
-        pts = sorted((r.nbytes, r) for r in report.rows if r.system == name and r.median_s)
+        pts = sorted(((r.nbytes, r) for r in report.rows if r.system == name and r.median_s), key=lambda p: p[0])
         if not pts:
             continue
         xs = [n / 2**20 for n, _ in pts]
         ys = [r.median_s * 1e3 for _, r in pts]
         floor = pts[0][1].kind == "floor"
-        label = {"memcpy": "memcpy floor", "unix": "raw Unix round trip to the workers",
-                 "tcp": "raw TCP loopback floor"}.get(name, name)
+        label = {"memcpy": "memcpy floor", UNIX_FLOOR: "raw Unix round trip to the workers",
+                 TCP_FLOOR: "raw TCP loopback floor"}.get(name, name)
         line, = ax.plot(xs, ys, "--" if floor else "-o", label=label, color="black" if name == "memcpy" else None,
                         linewidth=1.2 if floor else 1.8, markersize=4)
         if not floor:

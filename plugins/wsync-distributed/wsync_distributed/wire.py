@@ -225,8 +225,6 @@ def clone(store: dist.Store, timeout: timedelta = POP_TIMEOUT) -> dist.Store:
 
 
 _T = TypeVar("_T")
-#: store clients open one at a time in ``watched``, so that the descriptors that appear are theirs
-_OPENING = threading.Lock()
 
 
 def watched(cfg: Config, make: Callable[[], _T]) -> _T:
@@ -234,11 +232,11 @@ def watched(cfg: Config, make: Callable[[], _T]) -> _T:
     the link has been silent for about ``heartbeat_timeout`` (TCP keepalive, and TCP's user
     timeout for bytes left unacknowledged). A store call blocked on a cut link then raises instead
     of waiting for TCP to give up (many minutes; store timeouts bound waits for keys, not a dead
-    socket), so a worker's threads end soon after it stops."""
-    with _OPENING:
-        before = _descriptors()
-        made = make()
-        fresh = _descriptors() - before
+    socket), so a worker's threads end soon after it stops. (Another thread's new connection to
+    the same store, opened meanwhile, is set the same way: no lock, so no connect waits on another.)"""
+    before = _descriptors()
+    made = make()
+    fresh = _descriptors() - before
     for fd in fresh:
         _keep_alive(fd, cfg.port, cfg.heartbeat_timeout)
     return made
