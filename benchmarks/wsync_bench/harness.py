@@ -981,6 +981,10 @@ def write_json(report: Report, path: str) -> None:
         f.write("\n")
 
 
+#: how ``plot`` draws each floor (line style, gray level)
+_FLOOR_STYLES = {"memcpy": ("--", "black"), TCP_FLOOR: ("-.", "0.45"), UNIX_FLOOR: (":", "0.45")}
+
+
 def plot(report: Report, path: str) -> None:
     """Median latency against model size, log-log, one line per system, floors dashed; PNG at ``path``.
 
@@ -1004,7 +1008,8 @@ def plot(report: Report, path: str) -> None:
         floor = pts[0][1].kind == "floor"
         label = {"memcpy": "memcpy floor", UNIX_FLOOR: "raw Unix round trip to the workers",
                  TCP_FLOOR: "raw TCP loopback floor"}.get(name, name)
-        line, = ax.plot(xs, ys, "--" if floor else "-o", label=label, color="black" if name == "memcpy" else None,
+        style, color = _FLOOR_STYLES.get(name, ("--", "0.45")) if floor else ("-o", None)  # floors in grays:
+        line, = ax.plot(xs, ys, style, label=label, color=color,  # the systems keep the colors apart
                         linewidth=1.2 if floor else 1.8, markersize=4)
         if not floor:
             ax.fill_between(xs, [r.p10_s * 1e3 for _, r in pts], [r.p90_s * 1e3 for _, r in pts],
