@@ -10,6 +10,8 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from hypothesis import given, settings
@@ -212,11 +214,38 @@ def test_a_stream_that_is_not_a_socket() -> None:
 
 
 class _Gate:
-    """Holds the next read of a receiver's I/O thread once armed, until opened."""
+    """Holds the next call that passes through it once armed, until opened."""
 
     def __init__(self) -> None:
         self.armed = False
         self.entered, self.opened = threading.Event(), threading.Event()
+
+    def pass_through(self) -> None:
+        """Wait here until the gate opens, if it is armed (it disarms: one call waits)."""
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.opened.wait(60)
+
+    def send_through(self, model: nn.Linear, sender: WeightSyncScheme):
+        """Arm this gate, change ``model`` and ``send_async()`` it; once the gate holds the
+        version's bytes, the send's handle."""
+        self.armed = True
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        handle = sender.send_async()
+        assert self.entered.wait(30), "the version's bytes never reached the gate"
+        return handle
+
+    def returns_while_held(self, call: threading.Thread) -> bool:
+        """Start ``call`` while this gate holds the I/O thread; whether it returned before the
+        gate opens (it opens then, and ``call`` is joined)."""
+        call.start()
+        call.join(20)  # a call that does not wait for the I/O thread returns at once
+        held = call.is_alive()
+        self.opened.set()
+        call.join(30)
+        return not held
 
 
 class GatedPipeTransport(PipeTransport):
@@ -233,10 +262,8 @@ class GatedPipeTransport(PipeTransport):
         plain, gate = endpoint.write, self.write_gate
 
         def write(stream, data: memoryview) -> int:
-            if gate.armed and threading.current_thread() is endpoint.thread:
-                gate.armed = False
-                gate.entered.set()
-                gate.opened.wait(60)
+            if threading.current_thread() is endpoint.thread:
+                gate.pass_through()
             return plain(stream, data)
 
         endpoint.write = write
@@ -247,14 +274,24 @@ class GatedPipeTransport(PipeTransport):
         plain, gate = endpoint.read_into, self.gate
 
         def read_into(stream, view: memoryview) -> int:
-            if gate.armed:
-                gate.armed = False
-                gate.entered.set()
-                gate.opened.wait(60)
+            gate.pass_through()
             return plain(stream, view)
 
         endpoint.read_into = read_into
         return endpoint
+
+
+def connected_pair(make: Callable[[], Transport], features: int, **options: Any,
+                   ) -> tuple[nn.Linear, nn.Linear, WeightSyncScheme, WeightSyncScheme]:
+    """A trainer's model and a worker's (``Linear(features, features)``), and a sender (with
+    ``options``) and a receiver, each of ``make()``, connected between them."""
+    model, theirs = nn.Linear(features, features), nn.Linear(features, features)
+    sender = WeightSyncScheme(make(), timeout=30.0, **options)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver = WeightSyncScheme(make(), timeout=30.0)
+    receiver.init_on_receiver(model=theirs, worker_idx=0)
+    assert connect_both(sender, receiver) == (None, None)
+    return model, theirs, sender, receiver
 
 
 def test_a_receive_with_no_time_returns_at_once_while_a_version_is_being_read() -> None:
@@ -263,26 +300,12 @@ def test_a_receive_with_no_time_returns_at_once_while_a_version_is_being_read() 
     It waited for the read (up to 8 MiB a round: 10-40 ms at p99.9 while 256 MiB versions came
     over tcp)."""
     gate = GatedPipeTransport.gate = _Gate()
-    model, theirs = nn.Linear(64, 64), nn.Linear(64, 64)
-    sender = WeightSyncScheme(GatedPipeTransport(channel="gated"), sync=False, timeout=30.0)
-    sender.init_on_sender(model=model, num_workers=1)
-    receiver = WeightSyncScheme(GatedPipeTransport(channel="gated"), timeout=30.0)
-    receiver.init_on_receiver(model=theirs, worker_idx=0)
-    assert connect_both(sender, receiver) == (None, None)
+    model, theirs, sender, receiver = connected_pair(lambda: GatedPipeTransport(channel="gated"), 64, sync=False)
     returned: list = []
     waiting = threading.Thread(target=lambda: returned.append(receiver.receive(timeout=0.0)))
     try:
-        gate.armed = True
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        handle = sender.send_async()
-        assert gate.entered.wait(30), "the receiver never read version 1"
-        waiting.start()
-        waiting.join(20)  # returns at once; it waited for the gate, which opens only below
-        held = waiting.is_alive()
-        gate.opened.set()
-        waiting.join(30)
-        assert not held and returned == [None]
+        handle = gate.send_through(model, sender)
+        assert gate.returns_while_held(waiting) and returned == [None]
         assert receiver.receive(timeout=30.0) == 1 and handle.wait(30) == 1
         assert torch.equal(model.weight, theirs.weight)
     finally:
@@ -297,28 +320,15 @@ def test_a_send_returns_at_once_while_the_io_thread_writes_a_version() -> None:
     the write. It did (up to 8 MiB a connection, twice a round: another thread's wait for the lock
     was 29 ms at p99, 117 ms at most, while 128 MiB versions went to two workers over tcp)."""
     gate = GatedPipeTransport.write_gate = _Gate()
-    model, theirs = nn.Linear(512, 512), nn.Linear(512, 512)  # 1 MiB: more than a pipe holds
-    sender = WeightSyncScheme(GatedPipeTransport(channel="gated-write"), sync=False, timeout=30.0)
-    sender.init_on_sender(model=model, num_workers=1)
-    receiver = WeightSyncScheme(GatedPipeTransport(channel="gated-write"), timeout=30.0)
-    receiver.init_on_receiver(model=theirs, worker_idx=0)
-    assert connect_both(sender, receiver) == (None, None)
+    model, theirs, sender, receiver = connected_pair(  # 1 MiB: more than a pipe holds
+        lambda: GatedPipeTransport(channel="gated-write"), 512, sync=False)
     handles: list = []
     second = threading.Thread(target=lambda: handles.append(sender.send_async()))
     try:
-        gate.armed = True
+        first = gate.send_through(model, sender)
         with torch.no_grad():
             model.weight.add_(1.0)
-        first = sender.send_async()
-        assert gate.entered.wait(30), "the I/O thread never wrote version 1"
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        second.start()
-        second.join(20)  # returns at once; it waited for the gate, which opens only below
-        held = second.is_alive()
-        gate.opened.set()
-        second.join(30)
-        assert not held and len(handles) == 1
+        assert gate.returns_while_held(second) and len(handles) == 1
         assert receiver.wait_for_version(2, timeout=30.0) == 2
         assert handles[0].wait(30) == 2 and first.wait(30) == 1
         assert torch.equal(model.weight, theirs.weight)
@@ -419,12 +429,7 @@ def test_a_worker_whose_stream_broke_reports_it_then_connects_again() -> None:
     for good: every later call raised the same error, and the sender named it gone in every send
     (seen once over an emulated link)."""
     GarblingPipeTransport.garble[0] = False
-    model, theirs = nn.Linear(64, 64), nn.Linear(64, 64)
-    sender = WeightSyncScheme(GarblingPipeTransport(channel="garbled"), timeout=30.0)
-    sender.init_on_sender(model=model, num_workers=1)
-    receiver = WeightSyncScheme(GarblingPipeTransport(channel="garbled"), timeout=30.0)
-    receiver.init_on_receiver(model=theirs, worker_idx=0)
-    assert connect_both(sender, receiver) == (None, None)
+    model, theirs, sender, receiver = connected_pair(GarblingPipeTransport, 64)
     try:
         GarblingPipeTransport.garble[0] = True
         with torch.no_grad():
