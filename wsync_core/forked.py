@@ -1,5 +1,5 @@
 """Forked children: this process's id without a system call, and what a child does with a
-sender's sockets (it lets go of its copies).
+sender's sockets (it lets go of its copies); and the list of this process's sockets that finds them.
 
 A forked child inherits every descriptor of its parent. A copy of a listening socket keeps the
 parent's address taken after the parent closes it (a new sender cannot bind there) and a copy of
@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Iterable
 
-__all__ = ["close_inherited", "pid"]
+__all__ = ["close_inherited", "pid", "socket_descriptors"]
 
 _pid = [os.getpid()]
 
@@ -44,6 +44,22 @@ def _local(sock: socket.socket) -> int | str | None:
     return None
 
 
+def socket_descriptors() -> set[int]:
+    """The descriptors of this process's sockets, from /proc (empty where there is none)."""
+    try:
+        entries = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    found = set()
+    for entry in entries:
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}").startswith("socket:"):
+                found.add(int(entry))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return found
+
+
 def close_inherited(ports: Iterable[int] = (), paths: Iterable[str] = ()) -> None:
     """In a forked child: let go of this process's copies of the sockets bound locally to TCP
     ``ports`` or Unix ``paths`` (listening ones and the connections they accepted). Each such
@@ -53,18 +69,11 @@ def close_inherited(ports: Iterable[int] = (), paths: Iterable[str] = ()) -> Non
     wanted = set(ports) | set(paths)
     if not wanted:
         return
-    try:
-        entries = os.listdir("/proc/self/fd")
-    except OSError:  # no /proc: nothing this can find
-        return
     found = []
-    for entry in entries:
-        fd = int(entry)
+    for fd in socket_descriptors():
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
             sock = socket.socket(fileno=fd)
-        except OSError:  # closed meanwhile (the listing's own descriptor), or not a socket
+        except OSError:  # closed meanwhile
             continue
         if _local(sock) in wanted:
             found.append(fd)

@@ -441,7 +441,8 @@ class StreamSender(_Loop, SenderBase):
             self.hold(buffer, w)
             if conn.writing is None and not conn.out:  # idle: start here, saving a thread switch
                 try:
-                    self._queue(conn, watch=False)
+                    self._enqueue(conn)
+                    self._flush(conn, watch=False)  # (only the I/O thread changes what the selector watches)
                 except OSError:  # the I/O thread meets the same error and drops the connection
                     pass
         self._kick()  # the I/O thread writes the rest
@@ -602,11 +603,6 @@ class StreamSender(_Loop, SenderBase):
     def _refuse(self, conn: _Conn, reason: str) -> None:
         log.warning("%s refused %s: %s", self.what, _who(conn), reason)
         self._drop(conn, reason)
-
-    def _queue(self, conn: _Conn, watch: bool = True) -> None:
-        """Queue the pending delivery once the previous one is written, and write."""
-        self._enqueue(conn)
-        self._flush(conn, watch)
 
     def _enqueue(self, conn: _Conn) -> None:
         buffer, header = conn.pending

@@ -32,11 +32,9 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-
-
 def _local_address(host: str, port: int) -> str:
     """The address of this machine's interface that routes to ``host`` (loopback for loopback)."""
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+    if is_loopback(host):
         return "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as s:

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from wsync_core import Deadline, TransportError
+from wsync_core.forked import socket_descriptors
 from wsync_core.protocol import MAX_ACK_BYTES, decode_json
 
 from .config import Config
@@ -234,36 +235,18 @@ def watched(cfg: Config, make: Callable[[], _T]) -> _T:
     of waiting for TCP to give up (many minutes; store timeouts bound waits for keys, not a dead
     socket), so a worker's threads end soon after it stops. (Another thread's new connection to
     the same store, opened meanwhile, is set the same way: no lock, so no connect waits on another.)"""
-    before = _descriptors()
+    before = socket_descriptors()  # (none without procfs: the sockets then keep TCP's own bounds)
     made = make()
-    fresh = _descriptors() - before
-    for fd in fresh:
+    for fd in socket_descriptors() - before:
         _keep_alive(fd, cfg.port, cfg.heartbeat_timeout)
     return made
 
 
-def _descriptors() -> set[str]:
-    """This process's open descriptors (not the one listing them used: it is closed again)."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # no procfs: the sockets keep TCP's own bounds
-        return set()
-    return {name for name in names if _open(name)}
-
-
-def _open(fd: str) -> bool:
-    try:
-        os.fstat(int(fd))
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _keep_alive(fd: str, port: int, seconds: float) -> None:
+def _keep_alive(fd: int, port: int, seconds: float) -> None:
     """Make ``fd``, if it is a TCP connection to ``port``, fail after ``seconds`` of a silent link."""
     try:
-        sock = socket.socket(fileno=os.dup(int(fd)))  # a duplicate: closing it leaves the store's own
-    except (OSError, ValueError):
+        sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the store's own
+    except OSError:
         return
     with sock:
         try:

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 
 from wsync_core import SchemaMismatchError, TransportError, WeightSyncScheme, WorkerTimeoutError, list_transports
 from wsync_zmq import ZmqTransport
+from wsync_zmq import sender as zmq_sender
 from zmq_helpers import digest, make_model
 
 
@@ -261,9 +263,6 @@ def test_a_version_that_takes_longer_than_the_heartbeat_to_cross_arrives(sender,
     count only whole messages as traffic, so the worker closed the connection mid-payload, again
     at every try (a 32 MiB model on 20 Mbit/s links with the default 10 s never arrived). Here a
     small send buffer on the sender slows loopback to about 2 MB/s, and the heartbeat is 0.3 s."""
-    import zmq
-    from wsync_zmq import sender as zmq_sender
-
     plain = zmq_sender.configure
 
     def slow(sock, *args, **kwargs):
