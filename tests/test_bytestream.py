@@ -127,11 +127,13 @@ class _Pipe:
 
 
 class _Listener:
-    """Hands out one end of a new socketpair per connect() as a _Pipe, woken through an eventfd."""
+    """Hands out one end of a new socketpair per connect() as a _Pipe, woken through an eventfd that
+    counts the connects waiting (a semaphore: each accept() takes one, and it stays readable while
+    more wait, as a listening socket does)."""
 
     def __init__(self) -> None:
         self.waiting: list[int] = []
-        self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC | os.EFD_SEMAPHORE)
 
     def fileno(self) -> int:
         return self.bell
