@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -22,12 +23,16 @@ from wsync_core.protocol import CHECKSUM_CHUNK, PROTOCOL, Ack, Header
 _INT63 = st.integers(0, (1 << 63) - 1)
 
 
-def _reference(h: Header) -> bytes:
-    """What ``json.dumps`` writes for ``h`` (the encoding before the fast path)."""
+def _reference(h: Header, sealed: bool = False) -> bytes:
+    """What ``json.dumps`` writes for ``h`` (the encoding before the fast path), ``sealed`` with
+    the XXH3-64 of those bytes as a last field ``"h"``."""
     obj = {"wsync": PROTOCOL, "v": h.version, "m": h.model_id, "d": h.digest, "n": h.nbytes, "c": h.checksum}
     if h.session is not None:
         obj["s"] = h.session
-    return json.dumps(obj, separators=(",", ":")).encode()
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if not sealed:
+        return body
+    return json.dumps({**obj, "h": xxhash.xxh3_64_intdigest(body[:-1])}, separators=(",", ":")).encode()
 
 
 @st.composite
@@ -56,8 +61,10 @@ def _same_outcome(data: bytes, decode, checked) -> None:
 @given(_headers())
 @settings(max_examples=300, deadline=None)
 def test_header_fast_encoding_is_the_json_one_and_decodes_to_itself(h: Header) -> None:
-    assert h.encode() == _reference(h)
-    assert Header.decode(h.encode()) == Header.decode_checked(h.encode()) == h
+    for sealed in (False, True):
+        data = h.encode(sealed)
+        assert data == _reference(h, sealed)
+        assert Header.decode(data, sealed) == Header.decode_checked(data, sealed) == h
 
 
 @given(_headers(), st.integers(0, 400), st.integers(0, 4), st.binary(max_size=6))
@@ -78,6 +85,47 @@ def test_acks_encode_as_json_and_damaged_ones_decode_as_the_checked_parser_says(
     _same_outcome(data, Ack.decode, Ack.decode_checked)
     at = min(at, len(data))
     _same_outcome(data[:at] + put + data[at + cut:], Ack.decode, Ack.decode_checked)
+
+
+@given(st.integers(0, 1 << 20), st.integers(0, 1 << 30), st.text("0123456789abcdef", min_size=1, max_size=32),
+       st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_sealed_header_or_ack_with_any_byte_changed_is_refused_as_damaged(
+        version: int, nbytes: int, session: str, data: st.DataObject) -> None:
+    """With checksums on, a header and an ack carry their own XXH3-64: any byte changed (a digit of
+    the version, a size, a base, a checksum: what still parses, and TCP's own checksum can miss)
+    is refused, by the fast path and the checked parser alike. Without it, a digit changed in
+    transit named another version, and was believed."""
+    chunks = max(1, -(-nbytes // CHECKSUM_CHUNK))
+    for good, decode, checked in (
+            (Header(version, "policy", "ab" * 16, nbytes, [7] * chunks, session=session).encode(True),
+             Header.decode, Header.decode_checked),
+            (Header(version, "policy", "ab" * 16, nbytes, session=session).encode(True),
+             Header.decode, Header.decode_checked),
+            (Header(version + 1, "policy", "ab" * 16, 64, [7], wire="bfloat16", table=[[0, 4, 0]], base=version,
+                    session=session).encode(True), Header.decode, Header.decode_checked),
+            (Ack(3, version).encode(sealed=True), Ack.decode, Ack.decode_checked),
+            (Ack(3, version, "bad", "TransportError").encode(sealed=True), Ack.decode, Ack.decode_checked)):
+        assert decode(good, True) == checked(good, True) == decode(good) == checked(good)
+        at = data.draw(st.integers(0, len(good) - 1))
+        new = data.draw(st.integers(0, 255).filter(lambda b: b != good[at]))
+        damaged = good[:at] + bytes([new]) + good[at + 1:]
+        with pytest.raises(TransportError):
+            decode(damaged, True)
+        with pytest.raises(TransportError):
+            checked(damaged, True)
+
+
+def test_a_side_that_checksums_refuses_an_unsealed_header_or_ack_by_name() -> None:
+    """Where this side checks checksums, a header or ack without its own (a peer given another
+    ``checksum`` option, or a seal's key damaged) is refused, saying so."""
+    for data, decode in ((Header(1, "policy", "ab", 10).encode(), Header.decode),
+                         (Header(1, "policy", "ab", 10, [7]).encode(), Header.decode),
+                         (Header(1, "policy", "ab", 10, wire="bfloat16").encode(), Header.decode),
+                         (Ack(0, 1).encode(), Ack.decode), (Ack(0, 1, "bad", "TransportError").encode(), Ack.decode)):
+        decode(data)
+        with pytest.raises(TransportError, match="no checksum of its own"):
+            decode(data, True)
 
 
 def test_fast_header_refuses_what_the_checked_parser_refuses() -> None:

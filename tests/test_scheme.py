@@ -248,6 +248,36 @@ def test_atomic_damaged_payload_is_refused(cluster):
     assert c.sender.send() == 2  # usable afterwards
 
 
+def test_a_header_or_ack_damaged_in_transit_is_refused_not_believed(cluster):
+    """With checksums on, headers and acks carry their own: a digit of a version changed in transit
+    (it still parses) is refused as damage on the side that gets it, and nothing is applied or
+    counted. Before, the worker applied version 1 as version 7 and then took 2 to 7 for old ones."""
+    from wsync_core import inproc
+
+    c = cluster(n=1, checksum=True)
+    r = c.receivers[0]
+    before = {k: t.clone() for k, t in r.model.state_dict().items()}
+    publish, ack = inproc._Sender.publish, inproc._Receiver.ack
+    inproc._Sender.publish = lambda self, buffer, header, workers: publish(
+        self, buffer, header.replace(b'"v":1,', b'"v":7,'), workers)
+    try:
+        bump(c.model)
+        with pytest.raises(TransportError, match="header damaged in transit"):
+            c.sender.send(timeout=10)
+    finally:
+        inproc._Sender.publish = publish
+    assert same(r.model, before) and r.scheme.version == 0
+    inproc._Receiver.ack = lambda self, data: ack(self, data.replace(b'"v":2', b'"v":1'))
+    try:
+        bump(c.model)
+        with pytest.raises(TransportError, match="ack damaged in transit"):
+            c.sender.send(timeout=10)
+    finally:
+        inproc._Receiver.ack = ack
+    assert r.scheme.version == 2 and same(r.model, c.model.state_dict())
+    assert c.sender.send() == 3  # usable afterwards
+
+
 def test_atomic_no_torn_reads():
     """A reader in the worker's thread never sees two versions mixed, across many sends."""
     def make(i):

@@ -47,11 +47,37 @@ _BRACKET = re.compile(r"[\[\]{}]")
 _UINT = rb"(0|[1-9][0-9]{0,18})"
 _ASCII = rb'([ !#-\[\]-~]*)'
 _FAST_HEADER = re.compile(rb'\{"wsync":1,"v":' + _UINT + rb',"m":"' + _ASCII + rb'","d":"' + _ASCII
-                          + rb'","n":' + _UINT + rb',"c":(null|\[[0-9,]{1,65536}\])(?:,"s":"([0-9a-f]{1,32})")?\}\Z')
+                          + rb'","n":' + _UINT + rb',"c":(null|\[[0-9,]{1,65536}\])(?:,"s":"([0-9a-f]{1,32})")?'
+                          + rb'(?:,"h":(0|[1-9][0-9]{0,19}))?\}\Z')
 #: a sender's session: hex digits (see ``Header.session``)
 _SESSION = re.compile(r"[0-9a-f]{1,32}\Z")
 _FAST_SUM = re.compile(rb"(?:0|[1-9][0-9]{0,19})\Z")
-_FAST_ACK = re.compile(rb'\{"wsync":1,"w":' + _UINT + rb',"v":(-?(?:0|[1-9][0-9]{0,18}))\}\Z')
+_FAST_ACK = re.compile(rb'\{"wsync":1,"w":' + _UINT + rb',"v":(-?(?:0|[1-9][0-9]{0,18}))(?:,"h":(0|[1-9][0-9]{0,19}))?\}\Z')
+#: what comes before a message's own checksum, its last field (see ``seal``)
+_SEAL = b',"h":'
+
+
+def seal(body: bytes) -> bytes:
+    """A JSON object's bytes with its own XXH3-64 as a last field ``"h"``: the hash of every byte
+    before that field. With checksums on, headers and acks are sealed, so damage in transit that
+    TCP's checksum missed is refused as damage (a changed digit would otherwise name another
+    version, base or tensor, and still parse)."""
+    head = body[:-1]
+    return head + _SEAL + b"%d}" % xxhash.xxh3_64_intdigest(head)
+
+
+def _check_seal(data: bytes, sealed: Any, what: str, required: bool) -> None:
+    """Raise TransportError unless ``sealed`` (the decoded ``"h"``, or None where there is none) is
+    the hash of ``data`` before its seal; where there is none, unless it is not ``required``."""
+    if sealed is None:
+        if required:
+            raise TransportError(f"{what} carries no checksum of its own ('h'), and this side checks every "
+                                 f"header and ack (checksum=True): damaged in transit, or the two sides were "
+                                 f"given different checksum options")
+        return
+    at = data.rfind(_SEAL)
+    if not (_is_int(sealed) and at > 0 and xxhash.xxh3_64_intdigest(data[:at]) == sealed):
+        raise TransportError(f"{what} damaged in transit: its own checksum ('h') does not match its bytes")
 
 
 def _parse_int(text: str) -> int:
@@ -164,7 +190,7 @@ def _json_str(text: Any) -> bytes | None:
 _ASCII_ONLY = re.compile(_ASCII + rb"\Z")
 
 
-def _fast_header(data: Any) -> Header | None:
+def _fast_header(data: Any, sealed: bool) -> Header | None:
     """A header in the form ``Header.encode`` writes for a plain full payload, or None (the
     checked parser decides then). Equal to what ``Header.decode_checked`` returns for it."""
     if type(data) is not bytes or len(data) > 65536 + 256:
@@ -185,6 +211,8 @@ def _fast_header(data: Any) -> Header | None:
         sums = [int(p) for p in parts]
         if any(c >= 1 << 64 for c in sums):
             return None
+    if m.group(7) is not None or sealed:
+        _check_seal(data, m.group(7) and int(m.group(7)), "header", sealed)
     session = m.group(6)
     return Header(version, m.group(2).decode(), m.group(3).decode(), nbytes, sums,
                   session=session.decode() if session is not None else None)
@@ -224,43 +252,49 @@ class Header:
         """Whether the payload is encoded (a wire dtype, a table or a base), not a plain full one."""
         return self.wire is not None or self.table is not None or self.base is not None
 
-    def encode(self) -> bytes:
-        """The header as JSON bytes (a plain full payload's without ``json.dumps``: same bytes)."""
+    def encode(self, sealed: bool = False) -> bytes:
+        """The header as JSON bytes (a plain full payload's without ``json.dumps``: same bytes),
+        ``sealed`` (``seal``) where the transport checksums what it moves."""
+        body = None
         if (self.checksum is None and self.layout is None and self.wire is None and self.table is None
                 and self.base is None and type(self.version) is int and type(self.nbytes) is int):
             m, d, s = _json_str(self.model_id), _json_str(self.digest), _json_str(self.session)
             if m is not None and d is not None and self.session is None:
-                return b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null}' % (PROTOCOL, self.version, m, d,
+                body = b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null}' % (PROTOCOL, self.version, m, d,
                                                                               self.nbytes)
-            if m is not None and d is not None and s is not None:
-                return b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null,"s":%s}' % (
+            elif m is not None and d is not None and s is not None:
+                body = b'{"wsync":%d,"v":%d,"m":%s,"d":%s,"n":%d,"c":null,"s":%s}' % (
                     PROTOCOL, self.version, m, d, self.nbytes, s)
-        obj: dict[str, Any] = {
-            "wsync": PROTOCOL, "v": self.version, "m": self.model_id,
-            "d": self.digest, "n": self.nbytes, "c": self.checksum,
-        }
-        if self.session is not None:
-            obj["s"] = self.session
-        if self.layout is not None:
-            obj["l"] = self.layout
-        if self.wire is not None:
-            obj["w"] = self.wire
-        if self.table is not None:
-            obj["x"] = self.table
-        if self.base is not None:
-            obj["b"] = self.base
-        return json.dumps(obj, separators=(",", ":")).encode()
+        if body is None:
+            obj: dict[str, Any] = {
+                "wsync": PROTOCOL, "v": self.version, "m": self.model_id,
+                "d": self.digest, "n": self.nbytes, "c": self.checksum,
+            }
+            if self.session is not None:
+                obj["s"] = self.session
+            if self.layout is not None:
+                obj["l"] = self.layout
+            if self.wire is not None:
+                obj["w"] = self.wire
+            if self.table is not None:
+                obj["x"] = self.table
+            if self.base is not None:
+                obj["b"] = self.base
+            body = json.dumps(obj, separators=(",", ":")).encode()
+        return seal(body) if sealed else body
 
     @classmethod
-    def decode(cls, data: bytes) -> Header:
-        """Parse header bytes; raises TransportError naming what is malformed."""
-        fast = _fast_header(data)
-        return fast if fast is not None else cls.decode_checked(data)
+    def decode(cls, data: bytes, sealed: bool = False) -> Header:
+        """Parse header bytes, which must be ``sealed`` (``seal``) where this side checksums what
+        it receives; raises TransportError naming what is malformed or damaged."""
+        fast = _fast_header(data, sealed)
+        return fast if fast is not None else cls.decode_checked(data, sealed)
 
     @classmethod
-    def decode_checked(cls, data: bytes) -> Header:
+    def decode_checked(cls, data: bytes, sealed: bool = False) -> Header:
         """``decode`` through the checked JSON parser alone (what the fast path must agree with)."""
         obj = _decode(data, MAX_HEADER_BYTES, "header")
+        _check_seal(data, obj.get("h"), "header", sealed)
         version = _field(obj, "v", int, "header")
         nbytes = _field(obj, "n", int, "header")
         if not (0 <= version < 1 << 63 and 0 <= nbytes < 1 << 63):
@@ -300,29 +334,36 @@ class Ack:
     error: str | None = None
     error_type: str | None = None
 
-    def encode(self) -> bytes:
-        """The ack as JSON bytes (a plain one without ``json.dumps``: same bytes)."""
+    def encode(self, sealed: bool = False) -> bytes:
+        """The ack as JSON bytes (a plain one without ``json.dumps``: same bytes), ``sealed``
+        (``seal``) where the transport checksums what it moves."""
         if self.error is None and type(self.worker) is int and type(self.version) is int:
-            return b'{"wsync":%d,"w":%d,"v":%d}' % (PROTOCOL, self.worker, self.version)
-        obj: dict[str, Any] = {"wsync": PROTOCOL, "w": self.worker, "v": self.version}
-        if self.error is not None:
-            obj["e"] = self.error[:4000]
-            obj["t"] = self.error_type
-        return json.dumps(obj, separators=(",", ":")).encode()
+            body = b'{"wsync":%d,"w":%d,"v":%d}' % (PROTOCOL, self.worker, self.version)
+        else:
+            obj: dict[str, Any] = {"wsync": PROTOCOL, "w": self.worker, "v": self.version}
+            if self.error is not None:
+                obj["e"] = self.error[:4000]
+                obj["t"] = self.error_type
+            body = json.dumps(obj, separators=(",", ":")).encode()
+        return seal(body) if sealed else body
 
     @classmethod
-    def decode(cls, data: bytes) -> Ack:
-        """Parse ack bytes; raises TransportError naming what is malformed."""
-        if type(data) is bytes and len(data) <= 64:
+    def decode(cls, data: bytes, sealed: bool = False) -> Ack:
+        """Parse ack bytes, which must be ``sealed`` (``seal``) where this side checksums what it
+        receives; raises TransportError naming what is malformed or damaged."""
+        if type(data) is bytes and len(data) <= 96:
             m = _FAST_ACK.match(data)
             if m is not None:
+                if m.group(3) is not None or sealed:
+                    _check_seal(data, m.group(3) and int(m.group(3)), "ack", sealed)
                 return cls(int(m.group(1)), int(m.group(2)))
-        return cls.decode_checked(data)
+        return cls.decode_checked(data, sealed)
 
     @classmethod
-    def decode_checked(cls, data: bytes) -> Ack:
+    def decode_checked(cls, data: bytes, sealed: bool = False) -> Ack:
         """``decode`` through the checked JSON parser alone (what the fast path must agree with)."""
         obj = _decode(data, MAX_ACK_BYTES, "ack")
+        _check_seal(data, obj.get("h"), "ack", sealed)
         err = obj.get("e")
         etype = obj.get("t")
         if err is not None and not isinstance(err, str) or etype is not None and not isinstance(etype, str):

@@ -60,6 +60,9 @@ class Receiver:
         self.worker_idx = worker_idx
         self.model_id = model_id
         self.lock = lock
+        #: whether acks are sealed and headers must be (``protocol.seal``): where the transport
+        #: checksums what it moves
+        self.sealed = transport.checksum
         self.version = -1
         #: the sender that numbered ``version`` (``Header.session``): another one's numbers start over
         self.session: str | None = None
@@ -136,10 +139,10 @@ class Receiver:
         try:
             while delivery is not None:
                 try:
-                    header = Header.decode(delivery.header)
-                except TransportError as exc:
+                    header = Header.decode(delivery.header, self.sealed)
+                except TransportError as exc:  # which version it was is unknown: the sender fails what it sent
                     _release(delivery)
-                    self._reject(self.version, exc)
+                    self._reject(self.version, exc, "UnreadableHeader")
                     raise
                 held = best[1] if best is not None else None
                 session, version = (held.session, held.version) if held else (self.session, self.version)
@@ -161,7 +164,7 @@ class Receiver:
             if stale and self.version >= 0:
                 # a re-delivery of what this worker holds (e.g. after a reconnect): the sender may
                 # still wait for that ack
-                endpoint.ack(Ack(self.worker_idx, self.version).encode())
+                self._ack(self.version)
             return None
         delivery, header = best
         if header.base is not None and header.session != self.session:
@@ -189,7 +192,7 @@ class Receiver:
                 for listener in self.apply_listeners:  # before the ack: a sync send() returns after them
                     listener(header.version)
             finally:
-                endpoint.ack(Ack(self.worker_idx, header.version).encode())
+                self._ack(header.version)
         # the ack has woken the sender; on few cores it would wait for the rest of this worker's
         # turn (the rest of this call, the worker's own work after it): let it, and any other
         # worker of this send not yet woken, run first (and before the page-table work of warming)
@@ -244,12 +247,16 @@ class Receiver:
                f"from version {header.base}: asking for a full payload")
         log.info("%s", why)
         held = self.version if header.session == self.session else -1  # (another sender's numbers mean nothing here)
-        self.endpoint.ack(Ack(self.worker_idx, held, why, "BaseMismatch").encode())
+        self._ack(held, why, "BaseMismatch")
         return None
 
-    def _reject(self, version: int, exc: WsyncError) -> None:
+    def _reject(self, version: int, exc: WsyncError, error_type: str | None = None) -> None:
         log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
-        self.endpoint.ack(Ack(self.worker_idx, version, str(exc), type(exc).__name__).encode())
+        self._ack(version, str(exc), error_type or type(exc).__name__)
+
+    def _ack(self, version: int, error: str | None = None, error_type: str | None = None) -> None:
+        """Tell the sender this worker holds ``version`` (or, with ``error``, why it took none)."""
+        self.endpoint.ack(Ack(self.worker_idx, version, error, error_type).encode(self.sealed))
 
     def _apply(self, delivery: Delivery, header: Header, retired: list[torch.Tensor]) -> bool:
         """Check everything about a delivery, then copy it into the model, or make the model's

@@ -391,10 +391,10 @@ class Sender:
         known = [w for w in workers if w in self._layout_sent]
         fresh = [w for w in workers if w not in self._layout_sent]
         if known:
-            self.endpoint.publish(buffer, header.encode(), known)
+            self.endpoint.publish(buffer, header.encode(self.transport.checksum), known)
         if fresh:
             full = dataclasses.replace(header, layout=json.loads(self.layout.to_json()))
-            self.endpoint.publish(buffer, full.encode(), fresh)
+            self.endpoint.publish(buffer, full.encode(self.transport.checksum), fresh)
             self._layout_sent.update(fresh)
 
     def _deliver_full(self, workers: list[int]) -> None:
@@ -469,7 +469,7 @@ class Sender:
             self._left.add(w)
         elif isinstance(event, Acked):
             try:
-                ack = Ack.decode(event.data)
+                ack = Ack.decode(event.data, self.transport.checksum)
                 if ack.worker != w or ack.version > self.version:
                     raise TransportError(f"ack names worker {ack.worker}, version {ack.version}")
             except TransportError as exc:
@@ -481,6 +481,8 @@ class Sender:
                 self._holds.pop(w, None)
                 self._deliver_full([w]) if self.mirror is not None else self._deliver([w])
                 return
+            if ack.error_type == "UnreadableHeader":  # (naming the version it holds): it fails what was sent to it
+                ack = Ack(w, self.version, f"a header it could not read: {ack.error}", "TransportError")
             if ack.error is not None:
                 log.warning("worker %d rejected version %d: %s", w, ack.version, ack.error)
                 self._rejected[w] = ack

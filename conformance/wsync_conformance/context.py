@@ -258,7 +258,7 @@ class RawSender:
     def header(self, version: int, **changes: Any) -> bytes:
         h = {"version": version, "model_id": "policy", "digest": self.layout.digest, "nbytes": self.layout.nbytes,
              "checksum": None, "layout": json.loads(self.layout.to_json()), **changes}
-        return Header(**h).encode()
+        return Header(**h).encode(self.transport.checksum)  # sealed, as the core's, where it checksums
 
     def wait_joined(self, workers: list[int]) -> None:
         deadline = Deadline(self.ctx.timeout)
@@ -272,7 +272,7 @@ class RawSender:
             if isinstance(event, Joined):
                 self.joined.add(event.worker)
             elif isinstance(event, Acked):
-                self.acks.append(Ack.decode(event.data))
+                self.acks.append(Ack.decode(event.data, self.transport.checksum))
 
     def call(self, w: harness.Worker, method: str, **kwargs: Any) -> harness.Reply:
         """``w.call(method, **kwargs)`` while this sender polls its endpoint, as the core does while

@@ -171,7 +171,7 @@ class DeltaChecks:
             header.update(fields)
             prefix = getattr(raw.endpoint, "prefix_publish", False)  # as the core: a prefix, never empty
             lease.used = min(max(header["nbytes"], 1), buffer.numel()) if prefix else buffer.numel()
-            raw.endpoint.publish(lease, Header(**header).encode(), [0])
+            raw.endpoint.publish(lease, Header(**header).encode(raw.transport.checksum), [0])
 
         first = changes[min(changes)]
         at = mirror.encode(changes, torch.empty(raw.layout.nbytes, dtype=torch.uint8)).table[0][2]

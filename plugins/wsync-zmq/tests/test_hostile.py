@@ -128,7 +128,7 @@ class FakeSender:
         buf = torch.empty(self.layout.nbytes, dtype=torch.uint8)
         self.layout.pack(self.tensors, buf)
         wire = json.loads(self.layout.to_json()) if layout else None
-        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, checksum(buf), wire).encode()
+        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, checksum(buf), wire).encode(sealed=True)
         return header, buf.numpy().tobytes()
 
     def send(self, *frames: bytes) -> None:
@@ -242,7 +242,7 @@ def test_hostile_json_in_acks_never_stops_the_sender(context, caplog):
     hostile.linger = 0
     hostile.connect(address)
     hostile.send(HELLO + Hello(1, "policy", layout.digest, layout.nbytes).encode())
-    hostile.send(ACK + Ack(1, 0).encode())  # it holds version 0, as far as the sender knows
+    hostile.send(ACK + Ack(1, 0).encode(sealed=True))  # it holds version 0, as far as the sender knows
     thread = threading.Thread(target=receiver.connect)
     thread.start()
     try:
