@@ -90,6 +90,52 @@ def test_sender_killed_receiver_keeps_its_version_and_nothing_is_left(spawn) -> 
     assert leftovers(name) == []
 
 
+def test_a_sender_killed_and_started_again_on_its_name_is_followed(spawn) -> None:
+    """A trainer SIGKILLed after version 2 and started again with the same ``name`` (from its
+    checkpoint): the worker, which kept calling receive(), connects to it by itself and holds its
+    versions, numbered from 0 again, exactly; the first one's files are gone. Before, every
+    receive() raised TransportError until the worker was started again too."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    first, conn = spawn(sender_main, {"name": name}, 1)
+    assert conn.recv() == ("init",)
+    model = make_model()
+    receiver = WeightSyncScheme("shm", timeout=30.0, name=name)
+    receiver.init_on_receiver(model=model, worker_idx=0)
+    try:
+        receiver.connect()
+        assert conn.recv() == ("connected",)
+        for v in (1, 2):
+            conn.send(("send", v))
+            assert receiver.receive(timeout=30.0) == v
+            assert conn.recv() == ("sent", v)
+        first.kill()
+        first.join(30)
+        with pytest.raises(TransportError, match="closed the connection.*connects to a sender started again"):
+            receiver.receive(timeout=0.2)
+        assert receiver.version == 2
+        again, conn = spawn(sender_main, {"name": name}, 1)
+        assert conn.recv() == ("init",)
+        expected = make_model()
+        for v in (0, 1):  # the new sender's connect() (its version 0), then a send
+            if v:
+                conn.send(("send", 10 + v))
+            end = time.monotonic() + 30
+            while receiver.version != v and time.monotonic() < end:
+                try:
+                    receiver.receive(timeout=0.5)
+                except TransportError:
+                    pass  # the sender gone: until the new one is there
+            assert conn.recv() == (("connected",) if v == 0 else ("sent", 1))
+            fill(expected, 10 + v if v else 0)
+            assert receiver.version == v and all(model[k].equal(expected[k]) for k in model)
+        assert all(e.startswith(f"wsync-{name}-") for e in leftovers(name)) and len(leftovers(name)) == 2
+        again.kill()
+        again.join(30)
+    finally:
+        receiver.shutdown()
+    assert wait_until(lambda: leftovers(name) == [])
+
+
 def test_sender_killed_before_any_receiver_leaves_nothing(spawn) -> None:
     name = f"t-{uuid.uuid4().hex[:12]}"
     sender, conn = spawn(sender_main, {"name": name}, 1)

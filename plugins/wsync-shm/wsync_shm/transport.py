@@ -69,6 +69,7 @@ _TOKEN = re.compile(rb"[0-9a-f]{12}\Z")
 _ACK_SEND_TIMEOUT = 30.0
 _DRAIN_READS = 64  # reads of a restarted worker's old connection, at most, to reach its end
 _CHUNK = 1 << 16  # a larger read buffer costs an mmap per call: 12 us at 1 MiB
+_REDIAL_S = 0.02  # how often a worker whose sender is gone looks for a new one on the name
 
 
 def _slot_path(name: str, token: str, index: int) -> str:
@@ -388,34 +389,59 @@ class _Receiver(ReceiverEndpoint):
         self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
+        self._refused = False  # the sender refused this worker: it is not tried again
+        self._retry_at = 0.0  # when to look for a sender on the name again, once it is gone
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
         self._wakeup = Wakeup()  # wake(): the scheme is shutting down, recv returns at once
         self._drained = False  # the delivery just returned came from a read that emptied the socket
 
     def open(self, deadline: Deadline) -> None:
+        while (sock := self._dial()) is None:
+            if deadline.expired():
+                raise WorkerTimeoutError(
+                    f"worker {self._worker} found no shm sender named {self._name!r} within "
+                    f"{deadline.timeout:g} s; is the sender connected with the same name= option?", [])
+            time.sleep(deadline.slice(0.01))
+        self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
+        self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
+
+    def _dial(self) -> socket.socket | None:
+        """A connection to the sender on this name, hello said; None if none listens there."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            while True:
-                try:
-                    sock.connect(wire.address(self._name))
-                    break
-                except (ConnectionRefusedError, FileNotFoundError):
-                    if deadline.expired():
-                        raise WorkerTimeoutError(
-                            f"worker {self._worker} found no shm sender named {self._name!r} within "
-                            f"{deadline.timeout:g} s; is the sender connected with the same name= option?",
-                            []) from None
-                    time.sleep(deadline.slice(0.01))
+            try:
+                sock.connect(wire.address(self._name))
+            except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
+                return None
             wire.check_peer(sock)
             sock.sendall(FRAMING.encode(Kind.HELLO, arg=self._worker))
             sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
-        self._selector = selectors.DefaultSelector()
+        return sock
+
+    def _redial(self) -> bool:
+        """Once the sender is gone: connect to a sender started again on this name (a restarted
+        trainer), in place of the old connection, at most every 20 ms. True if connected."""
+        now = time.monotonic()
+        if self._refused or now < self._retry_at:
+            return False
+        self._retry_at = now + _REDIAL_S
+        sock = self._dial()
+        if sock is None:
+            return False
+        self._sock.close()
+        for slot in self._slots.values():  # the old sender's (a version the model views keeps its map)
+            slot.close()
+        self._slots.clear()
+        self._sock, self._token, self._newest, self._taken, self._closed_by = sock, None, None, 0, None
+        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
         self._selector.register(sock, selectors.EVENT_READ)
-        self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
+        return True
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -439,7 +465,14 @@ class _Receiver(ReceiverEndpoint):
                     return delivery
                 continue  # it was stale; a newer one is on its way
             if self._closed_by is not None:
-                raise TransportError(f"worker {self._worker}: {self._closed_by}; it keeps the version it holds")
+                if self._redial():
+                    continue
+                if deadline.expired() or self._refused:
+                    raise TransportError(f"worker {self._worker}: {self._closed_by}; it keeps the version it holds"
+                                         + ("" if self._refused else " and connects to a sender started again "
+                                            "on this name"))
+                self._selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
+                continue
             if deadline.expired():
                 return None
             left = deadline.remaining()
@@ -467,6 +500,7 @@ class _Receiver(ReceiverEndpoint):
                     self._reader.accept = frozenset([Kind.DELIVER, Kind.REFUSE])
                 elif frame.kind == Kind.REFUSE:
                     self._closed_by = f"the shm sender refused this worker: {frame.body.decode(errors='replace')}"
+                    self._refused = True
                     return False
                 else:
                     raise TransportError(f"worker {self._worker}: the shm sender sent a malformed "
@@ -507,6 +541,9 @@ class _Receiver(ReceiverEndpoint):
 
     def _sender_gone(self, why: str) -> None:
         self._closed_by = why
+        if self._selector is not None and self._sock is not None:
+            with contextlib.suppress(KeyError, ValueError):  # (its end of file would wake every select)
+                self._selector.unregister(self._sock)
         if self._token is not None:  # a sender that died leaves its files; a clean one already removed them
             prefix = f"wsync-{self._name}-{self._token}-"
             for entry in os.listdir(SHM_DIR):
@@ -587,7 +624,7 @@ class ShmTransport(Transport):
     name = "shm"
     interface = 2
     capabilities = Capabilities(processes=True, zero_copy=True, async_send=True, subset_send=True,
-                                late_join=True, cuda=True)
+                                late_join=True, cuda=True, sender_restart=True)
 
     def __init__(self, *, name: str | None = None, checksum: bool = False,
                  zero_copy: bool | None = None, cuda_ipc: bool = False) -> None:
