@@ -61,44 +61,17 @@ def test_receiver_killed_is_named_by_the_next_send(spawn) -> None:
     assert leftovers(name) == []
 
 
-def test_sender_killed_receiver_keeps_its_version_and_nothing_is_left(spawn) -> None:
-    """The receiver is built independently in this process, from the ``name`` alone."""
-    name = f"t-{uuid.uuid4().hex[:12]}"
-    sender, conn = spawn(sender_main, {"name": name}, 1)
-    assert conn.recv() == ("init",)
-    model = make_model()
-    receiver = WeightSyncScheme("shm", timeout=30.0, name=name)
-    receiver.init_on_receiver(model=model, worker_idx=0)
-    try:
-        receiver.connect()
-        assert conn.recv() == ("connected",)
-        conn.send(("send", 1))
-        assert receiver.receive(timeout=30.0) == 1
-        assert conn.recv() == ("sent", 1)
-        assert leftovers(name)
-        sender.kill()
-        sender.join(30)
-        with pytest.raises(TransportError, match="closed the connection"):
-            receiver.receive(timeout=5.0)
-        assert receiver.version == 1
-        expected = make_model()
-        fill(expected, 1)
-        assert all(model[k].equal(expected[k]) for k in model)
-        assert leftovers(name) == []
-    finally:
-        receiver.shutdown()
-    assert leftovers(name) == []
-
-
-def test_a_sender_killed_and_started_again_on_its_name_is_followed(spawn) -> None:
-    """A trainer SIGKILLed after version 2 and started again with the same ``name`` (from its
-    checkpoint): the worker, which kept calling receive(), connects to it by itself and holds its
-    versions, numbered from 0 again, exactly; the first one's files are gone. Before, every
-    receive() raised TransportError until the worker was started again too."""
+def test_sender_killed_receiver_keeps_its_version_then_follows_one_started_again(spawn) -> None:
+    """A trainer SIGKILLed after version 2: the receiver (built independently in this process,
+    from the ``name`` alone) keeps version 2 exactly, its receive() raises TransportError, and
+    nothing is left in /dev/shm. The trainer started again with the same ``name`` (from its
+    checkpoint) is found by the receiver, which kept calling receive(), by itself: it holds the
+    new one's versions, numbered from 0 again, exactly. Before, every receive() raised
+    TransportError until the worker was started again too."""
     name = f"t-{uuid.uuid4().hex[:12]}"
     first, conn = spawn(sender_main, {"name": name}, 1)
     assert conn.recv() == ("init",)
-    model = make_model()
+    model, expected = make_model(), make_model()
     receiver = WeightSyncScheme("shm", timeout=30.0, name=name)
     receiver.init_on_receiver(model=model, worker_idx=0)
     try:
@@ -108,14 +81,16 @@ def test_a_sender_killed_and_started_again_on_its_name_is_followed(spawn) -> Non
             conn.send(("send", v))
             assert receiver.receive(timeout=30.0) == v
             assert conn.recv() == ("sent", v)
+        assert leftovers(name)
         first.kill()
         first.join(30)
         with pytest.raises(TransportError, match="closed the connection.*connects to a sender started again"):
             receiver.receive(timeout=0.2)
-        assert receiver.version == 2
+        fill(expected, 2)
+        assert receiver.version == 2 and all(model[k].equal(expected[k]) for k in model)
+        assert leftovers(name) == []
         again, conn = spawn(sender_main, {"name": name}, 1)
         assert conn.recv() == ("init",)
-        expected = make_model()
         for v in (0, 1):  # the new sender's connect() (its version 0), then a send
             if v:
                 conn.send(("send", 10 + v))
@@ -128,7 +103,6 @@ def test_a_sender_killed_and_started_again_on_its_name_is_followed(spawn) -> Non
             assert conn.recv() == (("connected",) if v == 0 else ("sent", 1))
             fill(expected, 10 + v if v else 0)
             assert receiver.version == v and all(model[k].equal(expected[k]) for k in model)
-        assert all(e.startswith(f"wsync-{name}-") for e in leftovers(name)) and len(leftovers(name)) == 2
         again.kill()
         again.join(30)
     finally:
