@@ -14,7 +14,7 @@ from wsync_core.layout import Layout
 from wsync_core.weights import flatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool,
-          torch.complex64, torch.complex128, torch.uint8]
+          torch.complex64, torch.complex128, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def model_of(seed: int) -> dict[str, torch.Tensor]:
@@ -37,18 +37,22 @@ def scramble(weights: dict[str, torch.Tensor], seed: int, share: float) -> None:
     for t in weights.values():
         if not t.numel():
             continue
-        flat = t.view(-1)
+        flat = t.view(-1) if t.dtype in (torch.bool, torch.int8, torch.uint8) or t.element_size() > 1 else \
+            t.view(torch.uint8).view(-1)  # (float8: torch cannot index-assign it)
         mask = torch.rand(flat.shape, generator=g) < share
-        fresh = torch.randint(0, 256, (flat.numel() * t.element_size(),), generator=g, dtype=torch.uint8).view(t.dtype)
+        fresh = torch.randint(0, 256, (flat.numel() * t.element_size(),), generator=g, dtype=torch.uint8).view(flat.dtype)
         if t.dtype is torch.bool:
             fresh = fresh.view(torch.uint8).bool()
         flat[mask] = fresh[mask]
 
 
 def cast(weights: dict[str, torch.Tensor], wire: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``weights`` as a worker gets them with ``wire_dtype=wire``: floating tensors wider than it
+    through it, the others as they are."""
     if wire is None:
         return weights
-    return {k: t.to(wire).to(t.dtype) if t.is_floating_point() else t for k, t in weights.items()}
+    return {k: t.to(wire).to(t.dtype) if t.is_floating_point() and t.element_size() > wire.itemsize else t
+            for k, t in weights.items()}
 
 
 @settings(max_examples=15, deadline=None)
@@ -186,8 +190,12 @@ def test_keys_send_of_one_key_of_memory_shared_sends_every_key_sharing_it(cluste
         assert torch.equal(worker.part, worker.big.detach()[4:10])
 
 
-@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16, torch.float32])
 def test_wire_dtype_is_cast_then_back(cluster, wire) -> None:
+    """Floating tensors wider than the wire dtype go through it; the others (float16 under a
+    bfloat16 wire, bfloat16 and float8 under a float32 one) travel as they are. A float32 wire
+    with a bfloat16 tensor made the sender's connect() fail on a raw RuntimeError, the wire
+    layout larger than its buffers."""
     weights = model_of(5)
     c = cluster(n=1, model=weights, make=lambda i: {k: torch.zeros_like(v) for k, v in weights.items()},
                 wire_dtype=wire)

@@ -707,6 +707,33 @@ def test_a_tie_only_the_worker_has_is_named_and_changes_nothing(wire_dtype) -> N
             s.shutdown()
 
 
+@pytest.mark.parametrize("delta", [False, "always"])
+def test_a_tie_only_the_worker_has_is_checked_at_every_version(cluster, delta) -> None:
+    """The trainer's emb.weight and out.weight are two tensors, equal at first (as loaded from a
+    tied checkpoint), one tensor in the worker's model: while they stay equal every version is
+    exact; the first version in which they differ, as a full payload or a delta, is refused
+    naming both keys, the worker keeping the version before. Before, only a sender's first
+    version was checked: the worker acked later ones holding one of the two."""
+    trainer = _Net(False)
+    with torch.no_grad():
+        trainer.out.weight.copy_(trainer.emb.weight)
+    c = cluster(n=1, model=trainer, make=lambda i: _Net(True), delta=delta)
+    r, worker = c.receivers[0], c.receivers[0].model
+    with torch.no_grad():
+        trainer.emb.weight[3].add_(1.0)
+        trainer.out.weight[3].add_(1.0)
+    assert c.sender.send() == 1 and torch.equal(worker.out.weight, trainer.out.weight)
+    held = worker.emb.weight.clone()
+    with torch.no_grad():
+        trainer.emb.weight[5].add_(1.0)  # (an optimizer step on one of them)
+    with pytest.raises(SchemaMismatchError, match="'emb.weight' and 'out.weight' are one tensor"):
+        c.sender.send()
+    assert r.scheme.version == 1 and torch.equal(worker.emb.weight, held)
+    with torch.no_grad():
+        trainer.out.weight.copy_(trainer.emb.weight)  # together again
+    assert c.sender.send() == 3 and torch.equal(worker.out.weight, trainer.out.weight)
+
+
 def test_weights_on_the_meta_device_are_refused_at_init_and_at_send_by_name() -> None:
     """Meta tensors hold no data: init_on_sender() refuses them, and so does a send() after the
     trainer put one in its model, naming it (not torch's "Cannot copy out of meta tensor"), with

@@ -3,8 +3,8 @@
 Three encodings share one mechanism, described by header fields the core writes (see
 ``protocol.Header``):
 
-- a **wire dtype** (``w``): floating tensors travel in that dtype; a receiver casts each back to
-  its model's dtype, exactly as ``x.to(wire).to(model_dtype)``. The payload then follows the
+- a **wire dtype** (``w``): floating tensors wider than it travel in that dtype; a receiver casts
+  each back to its model's dtype, exactly as ``x.to(wire).to(model_dtype)``. The payload then follows the
   *wire layout* (``wire_layout``), which both sides derive from the model's layout;
 - a **table** (``x``): the payload holds only the listed tensors of the wire layout: a whole
   tensor, or the int32 indices (ascending) of some of its elements followed by their values;
@@ -75,14 +75,15 @@ def _is_float(dtype_name: str) -> bool:
 
 
 def wire_layout(layout: Layout, wire: str | None) -> Layout:
-    """``layout`` with every floating tensor in dtype ``wire`` (offsets recomputed); ``layout``
-    itself for None."""
+    """``layout`` with every floating tensor wider than dtype ``wire`` in that dtype (offsets
+    recomputed); the others as they are (a cast to a dtype as wide or wider saves nothing, and
+    may lose bits: float16 through bfloat16); ``layout`` itself for None."""
     if wire is None:
         return layout
     entries, offset = [], 0
     size = WIRE_DTYPES[wire].itemsize
     for e in layout.entries:
-        if _is_float(e.dtype) and e.dtype != wire:
+        if _is_float(e.dtype) and DTYPES[e.dtype].itemsize > size:
             nbytes = e.nbytes // DTYPES[e.dtype].itemsize * size
             e = Entry(e.key, wire, e.shape, offset, nbytes)
         else:

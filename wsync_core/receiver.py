@@ -13,14 +13,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .deadline import POLL, Deadline
 from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
-from .delta import INDEX_BYTES, WIRE_DTYPES, apply_ops, check_indices, decode_table, unpack_wire, wire_layout
+from .delta import INDEX_BYTES, WIRE_DTYPES, Op, apply_ops, check_indices, decode_table, unpack_wire, wire_layout
 from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
@@ -77,8 +77,10 @@ class Receiver:
         self._as_applied: list[tuple[int, int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1
-        #: the sender whose first full payload was checked against the model's ties (``_check_ties``)
-        self._ties_checked: str | None = None
+        #: the keys that are one tensor in the model (``_tie_groups``), found at the first full
+        #: payload of the sender ``_ties_of``; every version is checked against them (``_check_ties``)
+        self._ties: list[list[str]] = []
+        self._ties_of: str | None = None
 
     @property
     def versions_behind(self) -> int:
@@ -296,7 +298,7 @@ class Receiver:
                 materialize(self.source, payload.device if payload.device.type != "meta" else torch.device("cpu"))
                 targets = flatten(self.source, self.strategy, detach=False)
             layout.check_writable(targets, context=where)
-        self._check_ties_once(header, targets, payload, layout, where)
+        self._check_ties(header, targets, payload, layout, where)
         if adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
@@ -350,11 +352,13 @@ class Receiver:
             targets = flatten(self.source, self.strategy, detach=False)
         layout.check_writable(targets, context=where)
         if ops is None:
-            self._check_ties_once(header, targets, payload, wire, where)
+            self._check_ties(header, targets, payload, wire, where)
             unpack_wire(wire, payload, targets)
         else:
             if self._as_applied is None or _as_applied(targets) != self._as_applied:
                 raise _WroteSince()  # what the worker wrote would stay where the trainer changed nothing
+            if self._ties:
+                _check_tied_ops(self._ties, ops, payload, where)
             apply_ops(ops, indices, payload, targets)
         if self._extra:
             restore_extra_state(self.source, targets)
@@ -363,12 +367,20 @@ class Receiver:
         self._as_applied = _as_applied(targets)
         return False
 
-    def _check_ties_once(self, header: Header, targets: Mapping[str, torch.Tensor], payload: torch.Tensor,
-                         layout: Layout, where: str) -> None:
-        """``_check_ties`` on the first full payload of each sender (its ties do not change)."""
-        if header.session != self._ties_checked:
-            _check_ties(targets, payload, layout, where)
-            self._ties_checked = header.session
+    def _check_ties(self, header: Header, targets: Mapping[str, torch.Tensor], payload: torch.Tensor,
+                    layout: Layout, where: str) -> None:
+        """Raise SchemaMismatchError if two keys that are one tensor in the worker's model (tied:
+        found at each sender's first full payload) come with different bytes in this one: the
+        model could hold only one of them (the sender's are not tied, and no longer equal)."""
+        if header.session != self._ties_of:
+            self._ties, self._ties_of = _tie_groups(targets), header.session
+        for keys in self._ties:
+            first = layout.entry(keys[0])
+            for key in keys[1:]:
+                e = layout.entry(key)
+                if not torch.equal(payload[first.offset:first.offset + first.nbytes],
+                                   payload[e.offset:e.offset + e.nbytes]):
+                    raise _tie_broken(where, keys[0], key)
 
 
 @contextlib.contextmanager
@@ -426,24 +438,43 @@ class _Adopted:
         self.tensors = {}
 
 
-def _check_ties(targets: Mapping[str, torch.Tensor], payload: torch.Tensor, layout: Layout, where: str) -> None:
-    """Raise SchemaMismatchError if two keys that are one tensor in the worker's model (tied: the
-    same memory, shape and strides) come with different bytes: the model could hold only one of
-    them (the sender's are not tied). Checked on a sender's first full payload."""
+def _tie_groups(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The keys that are one tensor in the model (the same memory, dtype, shape and strides), in
+    groups of two or more."""
     tied: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for key, t in targets.items():
         if t.numel() and t.device.type != "meta":
             tied.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append(key)
-    for keys in tied.values():
-        if len(keys) < 2:
-            continue
-        first = layout.entry(keys[0])
+    return [keys for keys in tied.values() if len(keys) > 1]
+
+
+def _check_tied_ops(ties: list[list[str]], ops: Sequence[Op], payload: torch.Tensor, where: str) -> None:
+    """Raise SchemaMismatchError unless a delta changes the keys of each tied group alike (the
+    same elements to the same values, or none): else the sender's have come apart."""
+    by_key = {op.entry.key: op for op in ops}
+    for keys in ties:
+        first = by_key.get(keys[0])
         for key in keys[1:]:
-            e = layout.entry(key)
-            if not torch.equal(payload[first.offset:first.offset + first.nbytes], payload[e.offset:e.offset + e.nbytes]):
-                raise SchemaMismatchError(
-                    f"{where}: {keys[0]!r} and {key!r} are one tensor in this worker's model (tied) but the "
-                    f"sender's differ; tie them in the trainer's model too, or untie them in the worker's")
+            op = by_key.get(key)
+            if first is None and op is None:
+                continue
+            if first is None or op is None or first.count != op.count or not all(
+                    torch.equal(a, b) for a, b in zip(_op_parts(first, payload), _op_parts(op, payload))):
+                raise _tie_broken(where, keys[0], key)
+
+
+def _op_parts(op: Op, payload: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A delta section's bytes: its values, whole, or its indices and their values."""
+    if op.count < 0:
+        return (payload[op.offset:op.offset + op.wire.nbytes],)
+    return (payload[op.offset:op.offset + op.count * INDEX_BYTES],
+            payload[op.values_at:op.values_at + op.count * op.wire.torch_dtype.itemsize])
+
+
+def _tie_broken(where: str, key: str, other: str) -> SchemaMismatchError:
+    return SchemaMismatchError(f"{where}: {key!r} and {other!r} are one tensor in this worker's model (tied) but "
+                               f"the sender's differ; tie them in the trainer's model too, or untie them in the "
+                               f"worker's")
 
 
 def _checked_payload(delivery: Delivery, where: str) -> torch.Tensor:

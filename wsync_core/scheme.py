@@ -64,8 +64,8 @@ class WeightSyncScheme:
     ack; the copy stays the base of later deltas); if 1.2 times the probe's time is below the
     fastest delta send, every later send is a full one (no comparison; the copy is freed).
     ``delta="always"``: deltas every time, for the fewest bytes. ``wire_dtype`` (torch.bfloat16,
-    torch.float16 or torch.float32): floating tensors travel in it and arrive as
-    ``x.to(wire_dtype).to(model_dtype)``.
+    torch.float16 or torch.float32): floating tensors wider than it travel in it and arrive as
+    ``x.to(wire_dtype).to(model_dtype)``; the others travel as they are.
     """
 
     def __init__(

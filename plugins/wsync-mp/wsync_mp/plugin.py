@@ -36,7 +36,7 @@ class MpTransport(Transport):
     name = "mp"
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=False, cuda=False, zero_copy=True, async_send=True,
-                                subset_send=True, late_join=True, auth=True)
+                                subset_send=True, late_join=True, auth=True, sender_restart=True)
     secret_options = ("authkey",)
 
     @staticmethod

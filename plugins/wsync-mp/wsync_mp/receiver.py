@@ -25,6 +25,7 @@ delivery was taken if no ack came in between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -54,6 +55,10 @@ log = logging.getLogger("wsync.mp")
 _READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a larger buffer costs a syscall per read
 #: how long an ack or release may wait for room in the socket before the connection counts as dead
 _SEND_TIMEOUT = 30.0
+#: how often a worker whose sender is gone looks for a new one on the address while it waits
+_REDIAL_S = 0.02
+#: how long a handshake with a sender started again may take
+_HANDSHAKE_S = 10.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
@@ -81,6 +86,11 @@ class MpReceiver(ReceiverEndpoint):
         self.marks: memoryview | None = None  # the board's words (this worker's: the last publish to it)
         self.ended: str | None = None   # why the connection ended
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
+        self.refused = False            # ended by the sender's refusal: not tried again
+        self.connection = 0             # the connection's number: a delivery of an older one is not released to this
+        #: a delivery was taken and neither acked nor released: its ack belongs to the sender it came from
+        self.unanswered = False
+        self.reported = False           # recv raised once since the sender went
         self.closing = False
         self.drained = False            # the delivery just returned came from a read that emptied the socket
         self.probes = 0                 # the number of the last probe sent
@@ -133,18 +143,23 @@ class MpReceiver(ReceiverEndpoint):
             self._send(b"")  # about to wait: the sender must not wait for what is held meanwhile
         while self.newest is None and self.ended is None and not self.wakeup.is_set and not deadline.expired():
             drained = self._wait(deadline)
+        if self.newest is None and self.ended is not None and self._redial(deadline):
+            return self.recv(deadline)  # the sender started again on the address: from its first notification
         if self.newest is None or self.wakeup.is_set:
             with self.send_lock:
                 if self.idle_recvs >= 0:
                     self.idle_recvs += 1
-            if self.failed:
-                raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last "
-                                     f"version it applied")
+            if self.failed and (self.refused or not self.reported):  # said once (a refusal: every time)
+                self.reported = True
+                raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last version it "
+                                     f"applied" + ("" if self.refused else "; it connects to a sender started "
+                                                   "again on the address by itself (receive() returns None "
+                                                   "until one sends)"))
             return None
         index, header, _ = self.newest
-        self.newest = None
+        self.newest, self.unanswered = None, True
         self.drained = drained
-        mapped = self.maps.get(index)
+        mapped, connection = self.maps.get(index), self.connection
         with self.send_lock:  # taken: the sender may notify the next one (held back until the ack, sent with it)
             self.held += FRAMING.encode(Kind.SEEN, arg=index)
             self.idle_recvs = 0
@@ -154,7 +169,9 @@ class MpReceiver(ReceiverEndpoint):
             nonlocal released
             if not released:
                 released = True
-                self.drained = False
+                self.drained = self.unanswered = False
+                if connection != self.connection:
+                    return  # that sender is gone (its slot's map goes with the last view of it)
                 with self.send_lock:
                     left = self.viewing.pop(index, 0) - 1
                     if left > 0:
@@ -174,6 +191,7 @@ class MpReceiver(ReceiverEndpoint):
 
     def ack(self, data: bytes) -> None:
         """Send the ack, with the SEEN and RELEASE frames held back since the delivery was taken, in one send."""
+        self.unanswered = False
         self._send(FRAMING.encode(Kind.ACK, data))
 
     def wake(self) -> None:
@@ -195,6 +213,47 @@ class MpReceiver(ReceiverEndpoint):
         self._release_fds()
 
     # -- connection set-up --------------------------------------------------------------------
+    def _redial(self, deadline: Deadline) -> bool:
+        """Once the sender is gone: connect to a sender started again on the address (a restarted
+        trainer), in place of the old connection (whose maps go as the model stops viewing them),
+        looking every 20 ms until ``deadline`` once ``recv`` said the sender was gone (at once
+        before). Not after a refusal, nor while a delivery of the old sender waits for its ack.
+        True if connected."""
+        with contextlib.suppress(KeyError, ValueError):  # (its end of file would wake every select)
+            self.selector.unregister(self.sock)
+        while not (self.refused or self.unanswered or self.closing or self.wakeup.is_set):
+            sock = make_socket()
+            try:
+                sock.connect(sockaddr(self.address))
+            except OSError:  # none listens there (yet)
+                sock.close()
+            else:
+                if self._reopen(sock):
+                    return True
+            if deadline.expired() or self.failed and not self.reported:
+                return False
+            self.selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
+        return False
+
+    def _reopen(self, sock: socket.socket) -> bool:
+        """Take ``sock``, connected to a new sender, in place of the old connection, and shake hands
+        (within 10 s: a sender that accepted answers at once). False if that failed (then it
+        ended too, saying why)."""
+        self._release_fds()
+        self.sock, self.connection = sock, self.connection + 1
+        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
+        self.viewing, self.newest, self.ended, self.failed, self.reported = {}, None, None, False, False
+        self.probes = self.answered = 0
+        self.held, self.idle_recvs, self.drained = bytearray(), -1, False
+        try:
+            self._handshake(Deadline(_HANDSHAKE_S))
+        except (OSError, TransportError) as exc:
+            self._end(f"the handshake with {self.peer}, started again, failed: {exc}", True)
+            return False
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ)
+        return True
+
     def _connect(self, deadline: Deadline) -> socket.socket:
         addr = sockaddr(self.address)
         while True:
@@ -266,6 +325,7 @@ class MpReceiver(ReceiverEndpoint):
                         reason = frame.body.decode("utf-8", "replace")
                         if reason:
                             self._end(f"{self.peer} refused this worker: {reason}", True)
+                            self.refused = True
                         else:
                             self._end(f"{self.peer} shut down", False)
                         return False

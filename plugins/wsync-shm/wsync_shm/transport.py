@@ -69,7 +69,9 @@ _TOKEN = re.compile(rb"[0-9a-f]{12}\Z")
 _ACK_SEND_TIMEOUT = 30.0
 _DRAIN_READS = 64  # reads of a restarted worker's old connection, at most, to reach its end
 _CHUNK = 1 << 16  # a larger read buffer costs an mmap per call: 12 us at 1 MiB
-_REDIAL_S = 0.02  # how often a worker whose sender is gone looks for a new one on the name
+_REDIAL_S = 0.02  # how often a worker whose sender is gone looks for one on the name while it waits
+_LOOKING = ("; it connects to a sender started again on this name by itself (receive() returns None until "
+            "one sends)")
 
 
 def _slot_path(name: str, token: str, index: int) -> str:
@@ -390,7 +392,8 @@ class _Receiver(ReceiverEndpoint):
         self._taken = 0
         self._closed_by: str | None = None  # why the sender's side of the socket is gone
         self._refused = False  # the sender refused this worker: it is not tried again
-        self._retry_at = 0.0  # when to look for a sender on the name again, once it is gone
+        self._unanswered = False  # a delivery was taken and neither acked nor released: its ack is the old sender's
+        self._reported = False  # receive() raised once since the sender went
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
         self._wakeup = Wakeup()  # wake(): the scheme is shutting down, recv returns at once
         self._drained = False  # the delivery just returned came from a read that emptied the socket
@@ -426,11 +429,11 @@ class _Receiver(ReceiverEndpoint):
 
     def _redial(self) -> bool:
         """Once the sender is gone: connect to a sender started again on this name (a restarted
-        trainer), in place of the old connection, at most every 20 ms. True if connected."""
-        now = time.monotonic()
-        if self._refused or now < self._retry_at:
+        trainer), in place of the old connection. Not after a refusal, nor while a delivery of the
+        old sender waits for its ack. True if connected. (``recv`` raises TransportError the first
+        time it finds the sender gone, then waits for a new one, looking every 20 ms.)"""
+        if self._refused or self._unanswered:
             return False
-        self._retry_at = now + _REDIAL_S
         sock = self._dial()
         if sock is None:
             return False
@@ -439,6 +442,7 @@ class _Receiver(ReceiverEndpoint):
             slot.close()
         self._slots.clear()
         self._sock, self._token, self._newest, self._taken, self._closed_by = sock, None, None, 0, None
+        self._reported = False
         self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
         self._selector.register(sock, selectors.EVENT_READ)
         return True
@@ -467,10 +471,12 @@ class _Receiver(ReceiverEndpoint):
             if self._closed_by is not None:
                 if self._redial():
                     continue
-                if deadline.expired() or self._refused:
+                if self._refused or not self._reported:  # said once (a refusal: every time)
+                    self._reported = True
                     raise TransportError(f"worker {self._worker}: {self._closed_by}; it keeps the version it holds"
-                                         + ("" if self._refused else " and connects to a sender started again "
-                                            "on this name"))
+                                         + ("" if self._refused else _LOOKING))
+                if deadline.expired():
+                    return None
                 self._selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
                 continue
             if deadline.expired():
@@ -524,14 +530,14 @@ class _Receiver(ReceiverEndpoint):
         if slot.gen != gen:
             slot.unlock()
             return None
-        self._taken = gen
+        self._taken, self._unanswered = gen, True
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._drained = False
+                self._drained = self._unanswered = False
                 slot.unlock()
 
         if self._zero_copy and not slot.on_device:
@@ -554,6 +560,7 @@ class _Receiver(ReceiverEndpoint):
                         pass
 
     def ack(self, data: bytes) -> None:
+        self._unanswered = False
         if self._closed_by is not None or self._sock is None:
             return
         frame = FRAMING.encode(Kind.ACK, data, value=self._taken)
