@@ -734,6 +734,38 @@ def test_a_tie_only_the_worker_has_is_checked_at_every_version(cluster, delta) -
     assert c.sender.send() == 3 and torch.equal(worker.out.weight, trainer.out.weight)
 
 
+class _Rotary(torch.nn.Module):
+    """A layer with a buffer outside its state_dict (persistent=False), as RoPE's inv_freq."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_a_meta_model_whose_buffer_would_never_travel_is_refused_at_init_by_name() -> None:
+    """A worker built on the meta device with strategy="state_dict": a buffer outside the
+    state_dict never travels, so it would keep the uninitialized memory materializing gave it
+    (2.8e+36 where the trainer holds 0, 1, 2, 3, with no error). init_on_receiver() refuses it,
+    naming it; with strategy="tensordict" it travels and is exact."""
+    sender = WeightSyncScheme("inproc", strategy="state_dict")
+    sender.init_on_sender(model=_Rotary(), num_workers=1)
+    with torch.device("meta"):
+        worker = _Rotary()
+    receiver = pickle.loads(pickle.dumps(sender))
+    with pytest.raises(ValueError, match=r"init_on_receiver\(\): 'inv_freq' of the model are on the meta device "
+                                         r"and do not travel with strategy 'state_dict'"):
+        receiver.init_on_receiver(model=worker, worker_idx=0)
+    sender.shutdown()
+    trainer = _Rotary()
+    s, trainer, r, worker = connected_pair(model=trainer, local=worker, strategy="tensordict")
+    try:
+        assert torch.equal(worker.inv_freq, trainer.inv_freq) and torch.equal(worker.proj.weight, trainer.proj.weight)
+    finally:
+        r.shutdown()
+        s.shutdown()
+
+
 def test_weights_on_the_meta_device_are_refused_at_init_and_at_send_by_name() -> None:
     """Meta tensors hold no data: init_on_sender() refuses them, and so does a send() after the
     trainer put one in its model, naming it (not torch's "Cannot copy out of meta tensor"), with

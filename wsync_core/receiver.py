@@ -26,7 +26,7 @@ from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
 from .weights import (EXTRA_STATE, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
-                      restore_extra_state)
+                      restore_extra_state, stranded_meta)
 
 __all__ = ["Receiver"]
 
@@ -53,6 +53,13 @@ class Receiver:
         device = device_of(tensors)
         if device.type == "meta":  # materialized on the CPU from the first payload
             device = torch.device("cpu")
+        stranded = stranded_meta(model, tensors)
+        if stranded:
+            shown = ", ".join(repr(k) for k in stranded[:5]) + (f" and {len(stranded) - 5} more" if len(stranded) > 5 else "")
+            raise ValueError(f"init_on_receiver(): {shown} of the model are on the meta device and do not travel "
+                             f"with strategy {strategy!r} (not in its keys: a buffer outside the state_dict), so no "
+                             f"version would give them values; give them real ones first (e.g. to_empty(), then "
+                             f"compute them), or use strategy='tensordict', which sends every buffer")
         self.endpoint: ReceiverEndpoint = transport.receiver(ReceiverContext(worker_idx, self.layout, model_id,
                                                                              device))
         self.source = model

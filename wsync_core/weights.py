@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a work
     from tensordict import TensorDictBase
 
 __all__ = ["Strategy", "Weights", "STRATEGIES", "is_tensordict", "flatten", "check_strategy", "meta_keys",
-           "materialize", "check_holds_writes",
+           "stranded_meta", "materialize", "check_holds_writes",
            "restore_extra_state", "EXTRA_STATE", "device_of"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
@@ -207,6 +207,16 @@ def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
 def meta_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The keys of ``tensors`` on the meta device (shape and dtype, no data)."""
     return [k for k, t in tensors.items() if t.is_meta]
+
+
+def stranded_meta(weights: Any, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The parameters and buffers of a module ``weights`` on the meta device that are not among
+    the ``tensors`` that travel (``flatten``'s keys: a buffer outside the state_dict, with strategy
+    "state_dict"): no version would give them values. Empty for other containers."""
+    if not isinstance(weights, nn.Module):
+        return []
+    named = [*weights.named_parameters(remove_duplicate=False), *weights.named_buffers(remove_duplicate=False)]
+    return [name for name, t in named if t.is_meta and name not in tensors]
 
 
 def materialize(weights: Any, device: torch.device) -> None:
