@@ -702,6 +702,9 @@ def test_a_tie_only_the_worker_has_is_named_and_changes_nothing(wire_dtype) -> N
             assert isinstance(error, SchemaMismatchError), error
             assert "'emb.weight' and 'out.weight' are one tensor in this worker's model" in str(error)
             assert all(torch.equal(worker.state_dict()[k], v) for k, v in before.items())
+            # a worker left so (its receive() not called again): a later send's timeout says what it said
+            with pytest.raises(WorkerTimeoutError, match=r"worker 0 last rejected version 0: .*'emb.weight' and"):
+                s.send(timeout=0.3)
         finally:
             r.shutdown()
             s.shutdown()

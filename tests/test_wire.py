@@ -34,6 +34,16 @@ def test_layout_differences_name_keys_shapes_dtypes():
         assert part in msg
 
 
+def test_a_model_in_another_dtype_is_named_in_a_few_differences_and_counted() -> None:
+    """300 tensors in float16 against float32: the message names the first ten and counts the
+    rest (it named all 300, and the worker's ack cut it at 4000 characters, mid-word)."""
+    mine = Layout.of({f"layer{i:03d}.w": torch.zeros(2) for i in range(300)})
+    theirs = Layout.of({f"layer{i:03d}.w": torch.zeros(2, dtype=torch.float16) for i in range(300)})
+    msg = str(pytest.raises(SchemaMismatchError, mine.check_matches, theirs).value)
+    assert "'layer009.w': dtype float32 on the sender, float16 on the receiver" in msg and "'layer010.w'" not in msg
+    assert msg.endswith("and 290 more differences of shape or dtype") and len(msg) < 1000
+
+
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
                     max_leaves=12))

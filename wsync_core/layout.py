@@ -71,6 +71,10 @@ class Entry:
         return DTYPES[self.dtype]
 
 
+#: the differences of shape or dtype a mismatch names one by one (the rest are counted)
+_SHOWN_DIFFERENCES = 10
+
+
 class Layout:
     """An immutable, sorted table of entries; ``nbytes`` is the size of the flat buffer."""
 
@@ -174,13 +178,16 @@ class Layout:
             out.append(f"keys only on the {mine}: {clip_keys(only_mine)}")
         if only_theirs:
             out.append(f"keys only on the {theirs}: {clip_keys(only_theirs)}")
+        differ: list[str] = []
         for key in sorted(set(self._by_key) & set(other._by_key)):
             a, b = self._by_key[key], other._by_key[key]
             if a.shape != b.shape:
-                out.append(f"{key!r}: shape {list(a.shape)} on the {mine}, {list(b.shape)} on the {theirs}")
+                differ.append(f"{key!r}: shape {list(a.shape)} on the {mine}, {list(b.shape)} on the {theirs}")
             if a.dtype != b.dtype:
-                out.append(f"{key!r}: dtype {a.dtype} on the {mine}, {b.dtype} on the {theirs}")
-        return out
+                differ.append(f"{key!r}: dtype {a.dtype} on the {mine}, {b.dtype} on the {theirs}")
+        if len(differ) > _SHOWN_DIFFERENCES:  # (a whole model in another dtype: the first few say it)
+            differ[_SHOWN_DIFFERENCES:] = [f"and {len(differ) - _SHOWN_DIFFERENCES} more differences of shape or dtype"]
+        return out + differ
 
     def entry(self, key: str) -> Entry:
         """The entry of ``key``; KeyError if this layout has none."""

@@ -105,6 +105,8 @@ class Sender:
         self._joined: set[int] = set()
         self._left: set[int] = set()
         self._rejected: dict[int, Ack] = {}
+        #: each worker's last refusal since it last applied a version (named when it times out)
+        self._refusals: dict[int, Ack] = {}
         self._layout_sent: set[int] = set()
         self._pending: OrderedDict[int, tuple[SendReport, float]] = OrderedDict()
         self._service: threading.Thread | None = None
@@ -474,7 +476,7 @@ class Sender:
                     raise TransportError(f"ack names worker {ack.worker}, version {ack.version}")
             except TransportError as exc:
                 log.warning("worker %d sent a malformed ack: %s", w, exc)
-                self._rejected[w] = Ack(w, self.version, f"malformed ack: {exc}", "TransportError")
+                self._rejected[w] = self._refusals[w] = Ack(w, self.version, f"malformed ack: {exc}", "TransportError")
                 return
             if ack.error_type == "BaseMismatch":  # it holds less than a delta needed: send it the newest in full
                 log.info("worker %d: %s", w, ack.error)
@@ -485,11 +487,12 @@ class Sender:
                 ack = Ack(w, self.version, f"a header it could not read: {ack.error}", "TransportError")
             if ack.error is not None:
                 log.warning("worker %d rejected version %d: %s", w, ack.version, ack.error)
-                self._rejected[w] = ack
+                self._rejected[w] = self._refusals[w] = ack
                 return
             if ack.version >= 0:
                 self._holds[w] = max(self._holds.get(w, -1), ack.version)
             if ack.version > self._acked[w]:
+                self._refusals.pop(w, None)
                 previous, self._acked[w] = self._acked[w], ack.version
                 now = time.perf_counter()
                 for version in reversed(self._pending):  # newest first: older ones were done by `previous`
@@ -552,6 +555,9 @@ class Sender:
                 raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}; "
                                          f"updated: {updated}", missing)
             detail = f"; workers {gone} disconnected" if gone else ""
+            for w in missing:  # a worker whose last word was a refusal: say it (it may be why)
+                if (before := self._refusals.get(w)) is not None:
+                    detail += f"; worker {w} last rejected version {before.version}: {before.error[:300]}"
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
                 f"updated: {updated}", missing)
