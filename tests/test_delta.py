@@ -40,7 +40,8 @@ def scramble(weights: dict[str, torch.Tensor], seed: int, share: float) -> None:
         flat = t.view(-1) if t.dtype in (torch.bool, torch.int8, torch.uint8) or t.element_size() > 1 else \
             t.view(torch.uint8).view(-1)  # (float8: torch cannot index-assign it)
         mask = torch.rand(flat.shape, generator=g) < share
-        fresh = torch.randint(0, 256, (flat.numel() * t.element_size(),), generator=g, dtype=torch.uint8).view(flat.dtype)
+        size = flat.numel() * flat.element_size()
+        fresh = torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).view(flat.dtype)
         if t.dtype is torch.bool:
             fresh = fresh.view(torch.uint8).bool()
         flat[mask] = fresh[mask]

@@ -128,7 +128,8 @@ class FakeSender:
         buf = torch.empty(self.layout.nbytes, dtype=torch.uint8)
         self.layout.pack(self.tensors, buf)
         wire = json.loads(self.layout.to_json()) if layout else None
-        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, checksum(buf), wire).encode(sealed=True)
+        header = Header(version, "policy", self.layout.digest, self.layout.nbytes, checksum(buf), wire)
+        header = header.encode(sealed=True)
         return header, buf.numpy().tobytes()
 
     def send(self, *frames: bytes) -> None:
