@@ -203,7 +203,7 @@ def test_sigkilled_sender(fork_sleeper, pool):
         assert scheme.receive(timeout=0.5) is None
         assert fw.version_of(model) == 1 and scheme.version == 1
         again, out = p.queue(), p.queue()  # (the killed one may have died holding its queues' locks)
-        p.start(fw.sender, blob, out, again, False)
+        second = p.start(fw.sender, blob, out, again, False)
         for version, value in ((0, 0), (1, 7)):  # its connect() (its version 0), then a send
             if version:
                 again.put(value)
@@ -212,6 +212,7 @@ def test_sigkilled_sender(fork_sleeper, pool):
                 scheme.receive(timeout=0.5)
             assert scheme.version == version and fw.version_of(model) == value
         assert expect(out, "sent")[1] == 1
+        second.kill()  # (it waits for commands: the pool would wait 10 s for it to stop)
     finally:
         scheme.shutdown()
         commands.close()

@@ -86,7 +86,8 @@ class MpReceiver(ReceiverEndpoint):
         self.marks: memoryview | None = None  # the board's words (this worker's: the last publish to it)
         self.ended: str | None = None   # why the connection ended
         self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
-        self.refused = False            # ended by the sender's refusal: not tried again
+        #: ended by the sender's refusal or a protocol violation (a sender still there): not tried again
+        self.final = False
         self.connection = 0             # the connection's number: a delivery of an older one is not released to this
         #: a delivery was taken and neither acked nor released: its ack belongs to the sender it came from
         self.unanswered = False
@@ -149,10 +150,10 @@ class MpReceiver(ReceiverEndpoint):
             with self.send_lock:
                 if self.idle_recvs >= 0:
                     self.idle_recvs += 1
-            if self.failed and (self.refused or not self.reported):  # said once (a refusal: every time)
+            if self.failed and (self.final or not self.reported):  # said once (a final end: every time)
                 self.reported = True
                 raise TransportError(f"worker {self.worker}: {self.ended}; the model keeps the last version it "
-                                     f"applied" + ("" if self.refused else "; it connects to a sender started "
+                                     f"applied" + ("" if self.final else "; it connects to a sender started "
                                                    "again on the address by itself (receive() returns None "
                                                    "until one sends)"))
             return None
@@ -216,12 +217,14 @@ class MpReceiver(ReceiverEndpoint):
     def _redial(self, deadline: Deadline) -> bool:
         """Once the sender is gone: connect to a sender started again on the address (a restarted
         trainer), in place of the old connection (whose maps go as the model stops viewing them),
-        looking every 20 ms until ``deadline`` once ``recv`` said the sender was gone (at once
-        before). Not after a refusal, nor while a delivery of the old sender waits for its ack.
-        True if connected."""
+        looking every 20 ms until ``deadline``, once ``recv`` has said the sender failed (a clean
+        shutdown it does not say). Not after a refusal or a protocol violation (the sender is
+        still there), nor while a delivery of the old sender waits for its ack. True if connected."""
         with contextlib.suppress(KeyError, ValueError):  # (its end of file would wake every select)
             self.selector.unregister(self.sock)
-        while not (self.refused or self.unanswered or self.closing or self.wakeup.is_set):
+        if self.failed and not self.reported:
+            return False  # recv says it first
+        while not (self.final or self.unanswered or self.closing or self.wakeup.is_set):
             sock = make_socket()
             try:
                 sock.connect(sockaddr(self.address))
@@ -230,7 +233,7 @@ class MpReceiver(ReceiverEndpoint):
             else:
                 if self._reopen(sock):
                     return True
-            if deadline.expired() or self.failed and not self.reported:
+            if deadline.expired() or self.failed and not self.reported:  # (a handshake that failed)
                 return False
             self.selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
         return False
@@ -325,7 +328,7 @@ class MpReceiver(ReceiverEndpoint):
                         reason = frame.body.decode("utf-8", "replace")
                         if reason:
                             self._end(f"{self.peer} refused this worker: {reason}", True)
-                            self.refused = True
+                            self.final = True
                         else:
                             self._end(f"{self.peer} shut down", False)
                         return False
@@ -335,8 +338,9 @@ class MpReceiver(ReceiverEndpoint):
                         self._board(frame)
                     else:
                         self._notify(frame)
-            except TransportError as exc:
+            except TransportError as exc:  # the sender broke the protocol: it is still there
                 self._end(f"connection to {self.peer} failed: {exc}", True)
+                self.final = True
                 return False
             if len(data) < _READ_CHUNK:  # drained (more may come: the next call reads it)
                 return True

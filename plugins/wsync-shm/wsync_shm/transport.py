@@ -431,7 +431,7 @@ class _Receiver(ReceiverEndpoint):
         """Once the sender is gone: connect to a sender started again on this name (a restarted
         trainer), in place of the old connection. Not after a refusal, nor while a delivery of the
         old sender waits for its ack. True if connected. (``recv`` raises TransportError the first
-        time it finds the sender gone, then waits for a new one, looking every 20 ms.)"""
+        time it finds the sender gone, then looks for a new one, every 20 ms while it waits.)"""
         if self._refused or self._unanswered:
             return False
         sock = self._dial()
@@ -469,12 +469,12 @@ class _Receiver(ReceiverEndpoint):
                     return delivery
                 continue  # it was stale; a newer one is on its way
             if self._closed_by is not None:
-                if self._redial():
-                    continue
-                if self._refused or not self._reported:  # said once (a refusal: every time)
+                if self._refused or not self._reported:  # said once, first (a refusal: every time)
                     self._reported = True
                     raise TransportError(f"worker {self._worker}: {self._closed_by}; it keeps the version it holds"
                                          + ("" if self._refused else _LOOKING))
+                if self._redial():
+                    continue
                 if deadline.expired():
                     return None
                 self._selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
