@@ -73,26 +73,30 @@ class MpReceiver(ReceiverEndpoint):
         self.sock: socket.socket | None = None
         self.selector: selectors.DefaultSelector | None = None
         self.wakeup = Wakeup()          # wake(): the scheme is shutting down, recv returns at once
-        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
         self.send_lock = threading.Lock()  # (a release may come from another thread once the core closed)
         #: slot -> (mmap, tensor) to copy from; its PrivateMap (zero-copy: kept across deliveries);
         #: None if its size is not ours
         self.maps: dict[int, tuple | PrivateMap | None] = {}
         self.zero_copy = zero_copy
-        self.viewing: dict[int, int] = {}          # slot -> deliveries of it not released yet
         self.fds: deque[int] = deque()
-        self.newest: tuple[int, bytes, int] | None = None  # (slot, header, publish number)
         self.board: mmap.mmap | None = None
         self.marks: memoryview | None = None  # the board's words (this worker's: the last publish to it)
-        self.ended: str | None = None   # why the connection ended
-        self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
         #: ended by the sender's refusal or a protocol violation (a sender still there): not tried again
         self.final = False
         self.connection = 0             # the connection's number: a delivery of an older one is not released to this
         #: a delivery was taken and neither acked nor released: its ack belongs to the sender it came from
         self.unanswered = False
-        self.reported = False           # recv raised once since the sender went
         self.closing = False
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What each connection starts with (the first, and one to a sender started again)."""
+        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
+        self.viewing: dict[int, int] = {}          # slot -> deliveries of it not released yet
+        self.newest: tuple[int, bytes, int] | None = None  # (slot, header, publish number)
+        self.ended: str | None = None   # why the connection ended
+        self.failed = False             # ended by an error (raise) rather than a clean shutdown (None)
+        self.reported = False           # recv raised once since the sender went
         self.drained = False            # the delivery just returned came from a read that emptied the socket
         self.probes = 0                 # the number of the last probe sent
         self.answered = 0               # the number of the last probe the sender answered
@@ -244,10 +248,7 @@ class MpReceiver(ReceiverEndpoint):
         ended too, saying why)."""
         self._release_fds()
         self.sock, self.connection = sock, self.connection + 1
-        self.reader = FRAMING.reader(self.peer, frozenset({Kind.NOTIFY, Kind.CLOSE, Kind.ANSWER, Kind.BOARD}))
-        self.viewing, self.newest, self.ended, self.failed, self.reported = {}, None, None, False, False
-        self.probes = self.answered = 0
-        self.held, self.idle_recvs, self.drained = bytearray(), -1, False
+        self._fresh()
         try:
             self._handshake(Deadline(_HANDSHAKE_S))
         except (OSError, TransportError) as exc:

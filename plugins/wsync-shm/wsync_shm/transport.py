@@ -385,18 +385,22 @@ class _Receiver(ReceiverEndpoint):
         self._worker = ctx.worker_idx
         self._sock: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
-        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
-        self._token: str | None = None
         self._slots: dict[int, Slot] = {}
-        self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
-        self._taken = 0
-        self._closed_by: str | None = None  # why the sender's side of the socket is gone
         self._refused = False  # the sender refused this worker: it is not tried again
         self._unanswered = False  # a delivery was taken and neither acked nor released: its ack is the old sender's
-        self._reported = False  # receive() raised once since the sender went
         self._zero_copy = zero_copy_for(transport.options["zero_copy"], ctx)
         self._wakeup = Wakeup()  # wake(): the scheme is shutting down, recv returns at once
         self._drained = False  # the delivery just returned came from a read that emptied the socket
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What each connection starts with (the first, and one to a sender started again)."""
+        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
+        self._token: str | None = None
+        self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
+        self._taken = 0
+        self._closed_by: str | None = None  # why the sender's side of the socket is gone
+        self._reported = False  # receive() raised once since the sender went
 
     def open(self, deadline: Deadline) -> None:
         while (sock := self._dial()) is None:
@@ -441,9 +445,8 @@ class _Receiver(ReceiverEndpoint):
         for slot in self._slots.values():  # the old sender's (a version the model views keeps its map)
             slot.close()
         self._slots.clear()
-        self._sock, self._token, self._newest, self._taken, self._closed_by = sock, None, None, 0, None
-        self._reported = False
-        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
+        self._sock = sock
+        self._fresh()
         self._selector.register(sock, selectors.EVENT_READ)
         return True
 
