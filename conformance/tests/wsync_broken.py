@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from wsync_core import Buffer, Delivery, ReceiverContext, SenderContext, Transpo
 from wsync_core.inproc import InprocTransport, _Receiver, _Sender
 from wsync_core.transport import Joined
 
-__all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "WrongWorker", "LeakedThread",
+__all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "RenumberedHeader", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "SleepsThroughShutdown",
            "CloseNotIdempotent", "EndpointInOptions",
@@ -85,6 +86,15 @@ class _Old(_BrokenReceiver):
         if self.previous is None:
             return delivery
         return Delivery(delivery.header, self.previous)  # the newest header over the previous content
+
+
+class _Renumbered(_BrokenReceiver):
+    """Damages the header on the way in so that it still parses: from version 1 on, the version a
+    delivery names is one more than the sender's (a digit changed in transit, no checksum to see it)."""
+
+    def damage(self, delivery: Delivery) -> Delivery:
+        header = re.sub(rb'"v":(\d+)', lambda m: b'"v":%d' % (int(m[1]) + (int(m[1]) >= 1)), delivery.header, count=1)
+        return Delivery(header, delivery.payload)
 
 
 class _Misroute(_Sender):
@@ -342,6 +352,7 @@ FlippedByte = _transport("FlippedByte", receiver=_Flip)
 DroppedAck = _transport("DroppedAck", receiver=_DropAck)
 HalfPayload = _transport("HalfPayload", receiver=_Half)
 OldVersion = _transport("OldVersion", receiver=_Old)
+RenumberedHeader = _transport("RenumberedHeader", receiver=_Renumbered)
 WrongWorker = _transport("WrongWorker", sender=_Misroute)
 LeakedThread = _transport("LeakedThread", sender=_Leaky)
 UnpickledPayload = _transport("UnpickledPayload", receiver=_Unpickle)
@@ -366,6 +377,7 @@ BROKEN: dict[str, str] = {
     "DroppedAck": "versioned",
     "HalfPayload": "atomic",
     "OldVersion": "versioned",
+    "RenumberedHeader": "versioned",
     "WrongWorker": "targeted",
     "LeakedThread": "clean",
     "UnpickledPayload": "safe",
@@ -391,6 +403,7 @@ SELECT: dict[str, str] = {
     "DroppedAck": "test_versioned_counts_and_content",
     "HalfPayload": "test_atomic_no_mix_of_versions",
     "OldVersion": "test_versioned_counts_and_content",
+    "RenumberedHeader": "test_versioned_counts_and_content",
     "WrongWorker": "test_targeted_subset_send",
     "LeakedThread": "test_clean_after_shutdown",
     "UnpickledPayload": "test_safe_nothing_unpickled",
