@@ -593,16 +593,37 @@ class _HoardsBuffers(_Sender):
         super().close()
 
 
+class _BlindRecv(_Receiver):
+    """recv() given an expired deadline returns None without looking: a worker polling with
+    receive(timeout=0) never applies anything."""
+
+    def recv(self, deadline):
+        return None if deadline.expired() else super().recv(deadline)
+
+
+class _BlindPoll(_Sender):
+    """poll() given an expired deadline returns [] without looking: the acks and joins only a
+    waiting send reads."""
+
+    def poll(self, deadline):
+        return [] if deadline.expired() else super().poll(deadline)
+
+
 RingIgnoresHolders = _transport("RingIgnoresHolders", sender=_RingIgnoresHolders)
 EmptyIsNone = _transport("EmptyIsNone", receiver=_EmptyIsNone)
 ReversedEvents = _transport("ReversedEvents", sender=_ReversedEvents)
 HoardsBuffers = _transport("HoardsBuffers", sender=_HoardsBuffers)
+BlindRecv = _transport("BlindRecv", receiver=_BlindRecv)
+BlindPoll = _transport("BlindPoll", sender=_BlindPoll)
 BROKEN.update(RingIgnoresHolders="isolated", EmptyIsNone="exact", ReversedEvents="live", HoardsBuffers="live")
 SELECT.update(RingIgnoresHolders="test_endpoint_acquire_never_returns_a_buffer_in_use",
               EmptyIsNone="test_exact_empty_model",
               ReversedEvents="test_endpoint_events_in_order",
               HoardsBuffers="test_endpoint_sender_memory_bounded")
 __all__ += ["RingIgnoresHolders", "EmptyIsNone", "ReversedEvents", "HoardsBuffers"]
+BROKEN.update(BlindRecv="live", BlindPoll="live")
+SELECT.update(BlindRecv="test_endpoint_expired_deadline_still_looks", BlindPoll="test_endpoint_expired_deadline_still_looks")
+__all__ += ["BlindRecv", "BlindPoll"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

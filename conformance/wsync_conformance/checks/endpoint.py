@@ -589,6 +589,33 @@ class EndpointChecks:
                 del held[min(held)]
         e.workers[0].request("ep_release").raise_for_error("ep_release")
 
+    @guarantee("live")
+    def test_endpoint_expired_deadline_still_looks(self, wsync: Context) -> None:
+        """recv() and poll() given an expired deadline (``Deadline(0.0)``) still return what has
+        arrived: the core collects that way (``receive(timeout=0)`` in a polling worker, the
+        sender's service thread between sends), so an endpoint that gives up without looking
+        leaves a polling worker on its old version and acks unread."""
+        e = Endpoints(wsync, 1)
+        e.connect()
+        e.events.clear()
+        e.publish(1, [0])
+        deadline = Deadline(wsync.timeout)
+        while e.recv(0, 0.0, ack=False)["delivery"] is None:
+            if deadline.expired():
+                raise violated("live", f"version 1 was published, but recv(an expired deadline) returned None for "
+                                       f"{wsync.timeout:g} s, called every 20 ms: an expired deadline must still "
+                                       f"look once (the core's receive(timeout=0) calls it so)")
+            time.sleep(0.02)
+        data = b"an ack, read with an expired deadline"
+        e.workers[0].request("ep_ack", data=base64.b64encode(data).decode()).raise_for_error("ep_ack")
+        deadline = Deadline(wsync.timeout)
+        while not any(isinstance(ev, Acked) and ev.data == data for ev in e.sender.poll(Deadline(0.0))):
+            if deadline.expired():
+                raise violated("live", f"worker 0 acked, but SenderEndpoint.poll(an expired deadline) returned no "
+                                       f"Acked for {wsync.timeout:g} s, called every 20 ms: an expired deadline "
+                                       f"must still look once (the core's service thread polls so between sends)")
+            time.sleep(0.02)
+
     @guarantee("clean")
     def test_endpoint_close_from_any_state(self, wsync: Context) -> None:
         """close() works (returns, raises nothing) before open, after open, twice, and mid-stream:
