@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -72,7 +72,7 @@ class ModelSpec:
     tensors: tuple[TensorSpec, ...] = field(default_factory=tuple)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({"kind": self.kind, "tensors": [vars(t) for t in self.tensors]})
 
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
