@@ -617,6 +617,17 @@ class _CutHeaders(_Sender):
         super().publish(buffer, header[:65536], workers)
 
 
+class _RaisesForGone(_Sender):
+    """publish() raises TransportError when a target has closed since the last poll (instead of
+    skipping it and reporting Left): one worker gone fails the send for every other."""
+
+    def publish(self, buffer, header, workers):
+        gone = [w for w in workers if w not in self.channel.receivers]
+        if gone:
+            raise TransportError(f"workers {gone} are gone")
+        super().publish(buffer, header, workers)
+
+
 RingIgnoresHolders = _transport("RingIgnoresHolders", sender=_RingIgnoresHolders)
 EmptyIsNone = _transport("EmptyIsNone", receiver=_EmptyIsNone)
 ReversedEvents = _transport("ReversedEvents", sender=_ReversedEvents)
@@ -624,6 +635,7 @@ HoardsBuffers = _transport("HoardsBuffers", sender=_HoardsBuffers)
 BlindRecv = _transport("BlindRecv", receiver=_BlindRecv)
 BlindPoll = _transport("BlindPoll", sender=_BlindPoll)
 CutHeaders = _transport("CutHeaders", sender=_CutHeaders)
+RaisesForGone = _transport("RaisesForGone", sender=_RaisesForGone)
 BROKEN.update(RingIgnoresHolders="isolated", EmptyIsNone="exact", ReversedEvents="live", HoardsBuffers="live")
 SELECT.update(RingIgnoresHolders="test_endpoint_acquire_never_returns_a_buffer_in_use",
               EmptyIsNone="test_exact_empty_model",
@@ -634,7 +646,9 @@ BROKEN.update(BlindRecv="live", BlindPoll="live")
 SELECT.update(BlindRecv="test_endpoint_expired_deadline_still_looks", BlindPoll="test_endpoint_expired_deadline_still_looks")
 BROKEN["CutHeaders"] = "exact"
 SELECT["CutHeaders"] = "test_exact_many_tensors"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders"]
+BROKEN["RaisesForGone"] = "live"
+SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

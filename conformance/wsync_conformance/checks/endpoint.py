@@ -375,6 +375,40 @@ class EndpointChecks:
 
     @guarantee("live")
     @budget(timeouts=2)
+    def test_endpoint_publish_skips_a_gone_worker(self, wsync: Context) -> None:
+        """A target that closed since the sender last polled (and, with ``processes``, one whose
+        process died) is no error of publish(): it returns, the live target gets the version, and
+        the gone ones are reported Left (a publish that raised would fail the send for everyone)."""
+        e = Endpoints(wsync, 3)
+        e.connect()
+        e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+        gone = [0]
+        if wsync.process:
+            e.workers[1].kill()
+            gone.append(1)
+        try:
+            e.publish(1, [0, 1, 2])  # no poll since they went
+        except Exception as exc:  # whatever it raised: the rule is that it raises nothing
+            raise violated("live", f"publish() to workers [0, 1, 2] raised {type(exc).__name__} ({exc}) after "
+                                   f"workers {gone} went: a target gone since the last poll is to be skipped and "
+                                   f"reported Left, never an error of publish") from exc
+        d = e.recv(2, wsync.timeout)["delivery"]
+        if d is None or _version_of(d) != 1 or d["digest"] != e.published[1]:
+            raise violated("live", f"worker 2 did not get version 1, published to it beside workers {gone} that "
+                                   f"went, within {wsync.timeout:g} s")
+        deadline = Deadline(wsync.timeout)
+        for v in range(2, 10_000):  # a death may be learnt only by sending there
+            try:
+                e.wait_for(lambda ev: isinstance(ev, Left), gone, "Left of the targets that went",
+                           timeout=min(3.0, deadline.remaining()))
+                break
+            except GuaranteeViolation:
+                if deadline.expired():
+                    raise
+            e.publish(v, [0, 1, 2])
+
+    @guarantee("live")
+    @budget(timeouts=2)
     @capability("late_join")
     def test_endpoint_reconnect_same_index(self, wsync: Context) -> None:
         """A worker that goes away (closes, or its process is killed) and comes back under the same
