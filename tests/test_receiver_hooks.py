@@ -96,6 +96,86 @@ def test_apply_guard_holds_every_change_to_the_model():
         sender.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_shutdown_by_the_thread_holding_the_guard_ends_a_receive_waiting_for_it(transport):
+    """A worker's step loop holds its safe-point lock and shuts the scheme down while a background
+    receive() waits for that lock with a version in hand: shutdown() returns (it waited for that
+    receive forever), the receive ends with StateError once the lock is free, applying nothing,
+    and the scheme is closed, its endpoint with it."""
+    sender, model, receiver, local = connected_pair(sync=False, transport=transport)
+    lock = threading.Lock()
+    asked = threading.Event()  # the receive holds a version and asks for the guard
+
+    def guard():
+        asked.set()
+        return lock
+
+    receiver.set_apply_guard(guard)
+    ended: list[BaseException] = []
+
+    def receive_in_background():
+        try:
+            while True:
+                receiver.receive(timeout=0.5)
+        except BaseException as exc:  # what ended it, for the test to check
+            ended.append(exc)
+
+    t = threading.Thread(target=receive_in_background, daemon=True)
+    try:
+        before = {k: v.clone() for k, v in local.state_dict().items()}
+        with lock:
+            t.start()
+            bump(model)
+            sender.send_async()
+            assert asked.wait(30)
+            done = threading.Thread(target=receiver.shutdown, daemon=True)
+            done.start()
+            done.join(10)
+            assert not done.is_alive(), "shutdown() by the guard's holder waited for the receive that waits for it"
+        t.join(30)
+        assert not t.is_alive() and len(ended) == 1 and type(ended[0]).__name__ == "StateError", ended
+        assert all(torch.equal(local.state_dict()[k], v) for k, v in before.items())
+        assert receiver.state == "shut down"
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_receive_by_the_thread_holding_the_guard_does_not_wait_for_a_receive_waiting_for_it():
+    """While a background receive() holds a version and waits for the worker's safe-point lock,
+    the lock's holder calling receive() gets None at once and wait_for_version() a
+    WorkerTimeoutError that says why (both waited forever); the version lands once the lock is free."""
+    sender, model, receiver, local = connected_pair(sync=False)
+    lock = threading.Lock()
+    asked = threading.Event()
+
+    def guard():
+        asked.set()
+        return lock
+
+    receiver.set_apply_guard(guard)
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: [receiver.receive(timeout=0.05) for _ in iter(stop.is_set, True)], daemon=True)
+    try:
+        with lock:
+            t.start()
+            bump(model)
+            sender.send_async()
+            assert asked.wait(30)
+            t0 = time.monotonic()
+            assert receiver.receive(timeout=0.2) is None
+            with pytest.raises(WorkerTimeoutError, match="waits for the apply guard") as info:
+                receiver.wait_for_version(1, timeout=0.5)
+            assert info.value.workers == [0] and time.monotonic() - t0 < 20
+            assert receiver.version == 0
+        assert receiver.wait_for_version(1, timeout=30) == 1 and same(local, model)
+    finally:
+        stop.set()
+        t.join(30)
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_rebind_moves_later_versions_to_the_new_model():
     sender, model, receiver, local = connected_pair()
     stop = threading.Event()

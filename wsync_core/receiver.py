@@ -88,6 +88,10 @@ class Receiver:
         #: payload of the sender ``_ties_of``; every version is checked against them (``_check_ties``)
         self._ties: list[list[str]] = []
         self._ties_of: str | None = None
+        #: a receive() waiting to enter ``guard``, and the rest of a shutdown() left to it (``hand_over``)
+        self._parked = False
+        self._handed: Callable[[], None] | None = None
+        self._handover = threading.Lock()
 
     @property
     def versions_behind(self) -> int:
@@ -124,6 +128,16 @@ class Receiver:
             self._leases.close()
             self.endpoint.close()
             self.source = None
+
+    def hand_over(self, finish: Callable[[], None]) -> bool:
+        """If a receive() in another thread waits to enter the apply guard (which the thread shutting
+        down may hold: it would wait for that receive forever), leave ``finish``, the rest of the
+        shutdown, to it and return True: it applies nothing, and calls ``finish`` once it has the
+        guard and has left it. False if no receive() waits there."""
+        with self._handover:
+            if self._parked:
+                self._handed = finish
+            return self._parked
 
     def check_closing(self, what: str) -> None:
         """Raise StateError if ``shutdown()`` began in another thread while ``what`` waited."""
@@ -181,7 +195,7 @@ class Receiver:
         if header.base is not None and not header.base <= self.version:
             return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
-        with self.guard(), _interrupts_held():  # the worker's safe point: its model is not in use in here
+        with self._safe_point(delivery), _interrupts_held():  # its model is not in use in here
             # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
             # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
@@ -212,21 +226,58 @@ class Receiver:
             warm()
         return header.version
 
+    @contextlib.contextmanager
+    def _safe_point(self, delivery: Delivery) -> Iterator[None]:
+        """Enter the worker's apply guard to apply ``delivery``. If shutdown() began meanwhile,
+        release the delivery, leave the guard, finish the shutdown if it was left to this thread
+        (``hand_over``), and raise StateError."""
+        with self._handover:
+            self._parked = True
+        try:
+            with self.guard():
+                with self._handover:
+                    self._parked = False
+                    finish, self._handed = self._handed, None
+                if not self.closing:
+                    yield
+                    return
+        finally:
+            with self._handover:  # (the guard raised)
+                self._parked = False
+        _release(delivery)
+        if finish is not None:
+            finish()
+        self.check_closing("receive()")
+
     def wait_for_version(self, version: int, deadline: Deadline, expect: Callable[[], None]) -> int:
         """Apply versions as they arrive until this worker holds ``version`` or newer; ``expect()``
         checks the scheme is still connected each time the lock is taken again."""
         while True:
-            with self.lock:
-                expect()
-                if self.version >= version:
-                    return self.version
-                self.receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
-                if self.version >= version:
-                    return self.version
+            if self.take_lock(deadline):
+                try:
+                    expect()
+                    if self.version >= version:
+                        return self.version
+                    self.receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
+                    if self.version >= version:
+                        return self.version
+                finally:
+                    self.lock.release()
             if deadline.expired():
+                parked = (" (another thread's receive() holds a newer one and waits for the apply guard: is it "
+                          "held by the thread waiting?)" if self._parked else "")
                 raise WorkerTimeoutError(
                     f"worker {self.worker_idx} holds version {self.version}, not {version}, after "
-                    f"{deadline.timeout:g} s", [self.worker_idx])
+                    f"{deadline.timeout:g} s{parked}", [self.worker_idx])
+
+    def take_lock(self, deadline: Deadline) -> bool:
+        """Take the scheme's lock by ``deadline``. False if the deadline passes first, or if the
+        thread holding it waits to enter the apply guard (which may be this thread's: waiting for
+        it would never end)."""
+        while not self.lock.acquire(timeout=deadline.slice(0.05)):
+            if self._parked or deadline.expired():
+                return False
+        return True
 
     def rebind(self, model: Weights, connected: bool) -> None:
         """Apply future versions to ``model`` (same layout); a connected worker copies the version

@@ -329,12 +329,20 @@ class WeightSyncScheme:
         this raises StateError (like any call on a scheme that was shut down).
         """
         self._adopt_fork()
-        with self._lock:
+        deadline, role = Deadline(timeout), self._role
+        if not isinstance(role, Receiver):
+            role = None
+            self._lock.acquire()
+        elif not role.take_lock(deadline):  # another thread's receive() outlasted the timeout, or it waits
+            return None                     # for the apply guard with a newer version (this thread may hold it)
+        try:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
-            version = self._role.receive(Deadline(timeout))
+            version = self._role.receive(deadline)
             if version is None:
                 self._role.check_closing("receive()")
             return version
+        finally:
+            self._lock.release()
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Block until this receiver holds ``version`` or a newer one, applying versions as they
@@ -344,9 +352,11 @@ class WeightSyncScheme:
         scheme's by default), or what receive() raises for a bad payload.
         """
         self._adopt_fork()
-        with self._lock:
-            self._expect(_State.RECEIVER_CONNECTED, "wait_for_version")
-            receiver = self._role
+        receiver = self._role
+        if not isinstance(receiver, Receiver) or self._state is not _State.RECEIVER_CONNECTED:
+            with self._lock:  # (checked again under the lock each time it is taken)
+                self._expect(_State.RECEIVER_CONNECTED, "wait_for_version")
+                receiver = self._role
         return receiver.wait_for_version(version, self._deadline(timeout),
                                          lambda: self._expect(_State.RECEIVER_CONNECTED, "wait_for_version"))
 
@@ -406,7 +416,18 @@ class WeightSyncScheme:
             if isinstance(role, Sender):
                 role.stop()
         self._adopt_fork()
+        while not self._lock.acquire(timeout=0.05):
+            if isinstance(role, Receiver) and role.hand_over(self._close):
+                return  # a receive() in another thread waits for the apply guard, this thread's maybe: it closes
+        try:
+            self._close()
+        finally:
+            self._lock.release()
+
+    def _close(self) -> None:
+        """The rest of shutdown(): free what the role holds; the scheme is closed."""
         with self._lock:
+            role = self._role
             if role is not None:
                 role.layout.drop_views()
                 if self._finalizer is not None:
