@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from wsync_core import (
     TransportError,
     WeightSyncScheme,
     WorkerTimeoutError,
+    WsyncError,
 )
 from wsync_core.inproc import InprocTransport, open_channels
 from wsync_core.layout import Layout
@@ -793,3 +795,88 @@ def test_weights_on_the_meta_device_are_refused_at_init_and_at_send_by_name() ->
     finally:
         r.shutdown()
         s.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(transport):
+    """One trainer thread waits for a send's acks while worker 1 is busy; meanwhile another thread's
+    send_async() to worker 0 returns once its snapshot is taken, and done() returns at once (both
+    waited for the whole wait before)."""
+    model = make_policy(0)
+    sender = WeightSyncScheme(transport, timeout=30.0)
+    sender.init_on_sender(model=model, num_workers=2)
+    workers = [pickle.loads(pickle.dumps(sender)) for _ in range(2)]
+    for i, w in enumerate(workers):
+        w.init_on_receiver(model=make_policy(1), worker_idx=i)
+    threads = [threading.Thread(target=w.connect) for w in workers]
+    for t in threads:
+        t.start()
+    sender.connect()
+    for t in threads:
+        t.join()
+    stop = threading.Event()
+    live = threading.Thread(target=lambda: [workers[0].receive(timeout=0.05) for _ in iter(stop.is_set, True)])
+    live.start()
+    try:
+        bump(model)
+        handle = sender.send_async()  # worker 1 never receives it
+        ended: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                handle.wait(timeout=6)
+            except WorkerTimeoutError as exc:
+                ended.append(exc)
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        time.sleep(0.5)  # the wait holds the scheme, polling for worker 1's ack
+        t0 = time.monotonic()
+        assert not handle.done()
+        other = sender.send_async(worker_ids=[0])
+        took = time.monotonic() - t0
+        assert waiting.is_alive() and took < 4, f"done() and send_async() beside a wait took {took:.2f} s"
+        assert other.wait(timeout=30) == 2
+        waiting.join(30)
+        assert len(ended) == 1 and ended[0].workers == [1]
+    finally:
+        stop.set()
+        live.join(30)
+        for w in workers:
+            w.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["shm", "mp"])
+def test_a_clean_sender_shutdown_is_no_error_for_a_polling_worker(transport):
+    """A worker polls receive() while its trainer sends a few versions and shuts down cleanly: its
+    receive() only returns None after that (it looks for a sender started again), round after
+    round; a listener still closing that a redial reaches is not an error either."""
+    rng = random.Random(7)
+    for _ in range(12):
+        sender, model, receiver, local = connected_pair(transport=transport, sync=True)
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    receiver.receive(timeout=0.02)
+                except WsyncError as exc:  # what the worker would see
+                    errors.append(exc)
+
+        t = threading.Thread(target=poll)
+        t.start()
+        try:
+            for _ in range(rng.randint(0, 3)):
+                bump(model)
+                sender.send()
+            time.sleep(rng.uniform(0, 0.02))
+            sender.shutdown()
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            t.join(30)
+            receiver.shutdown()
+            sender.shutdown()
+        assert not errors, f"a clean shutdown raised in the worker: {errors}"

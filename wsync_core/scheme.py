@@ -284,7 +284,7 @@ class WeightSyncScheme:
         deadline = self._deadline(timeout)  # one deadline for the snapshot and the acks
         handle = self._send_async(weights, worker_ids, deadline, keys)
         if self.sync:
-            with self._lock:
+            with self._sending():
                 self._expect(_State.SENDER_CONNECTED, "send")
                 self._role.finish(handle.version, handle.targets, deadline)
         return handle.version
@@ -297,14 +297,20 @@ class WeightSyncScheme:
     def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
                     keys: Iterable[str] | None = None) -> SendHandle:
         self._adopt_fork()
-        with self._lock:
+        with self._sending():
             self._expect(_State.SENDER_CONNECTED, "send")
             return self._role.send_async(weights, worker_ids, deadline, self._wait, keys)
 
     def _wait(self, handle: SendHandle, timeout: float | None) -> None:
-        with self._lock:
+        with self._sending():
             self._expect(_State.SENDER_CONNECTED, "wait")
             self._role.finish(handle.version, handle.targets, self._deadline(timeout))
+
+    def _sending(self) -> contextlib.AbstractContextManager[None]:
+        """The lock, for a sender's call: one waiting for acks in another thread lets it in between
+        its polls (``Sender.entering``)."""
+        role = self._role
+        return role.entering() if isinstance(role, Sender) else self._lock
 
     # -- receiver ----------------------------------------------------------------------------
     def init_on_receiver(self, *, model: Weights, worker_idx: int, model_id: str | None = None) -> None:

@@ -7,6 +7,7 @@ version, acks of asynchronous sends are collected).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -39,6 +40,8 @@ _MAX_PENDING = 256
 _FULL_ACQUIRE_S = 5.0
 #: how often a connected sender answers its transport between calls (seconds)
 _SERVICE_INTERVAL = 0.01
+#: how long a wait for acks polls before it lets in a thread that waits for the lock (seconds)
+_LET_IN_S = 0.05
 _ERROR_TYPES: dict[str, type[WsyncError]] = {
     "SchemaMismatchError": SchemaMismatchError,
     "TransportError": TransportError,
@@ -56,9 +59,15 @@ class SendHandle:
         self.targets = targets
 
     def done(self) -> bool:
-        """True once every target acked this version (collects waiting acks, never blocks)."""
-        with self._sender.lock:
-            return self._sender.outstanding(self.version, self.targets, POLL) == ([], {})
+        """True once every target acked this version (collects waiting acks, never blocks: while
+        another thread holds the scheme, e.g. waiting for acks, it answers from those collected)."""
+        sender = self._sender
+        if not sender.lock.acquire(blocking=False):
+            return all(sender.acked(w) >= self.version for w in self.targets)
+        try:
+            return sender.outstanding(self.version, self.targets, POLL) == ([], {})
+        finally:
+            sender.lock.release()
 
     def wait(self, timeout: float | None = None) -> int:
         """Return the version once all targets applied it.
@@ -94,6 +103,10 @@ class Sender:
         self.model_id = model_id
         self.num_workers = num_workers
         self.lock = lock
+        #: a wait collecting acks under ``lock`` lets the threads that want it in between polls (``entering``)
+        self._turn = threading.Condition(lock)
+        self._wanting = 0
+        self._wanting_lock = threading.Lock()
         self.version = -1
         self.session = secrets.token_hex(8)  # names this sender in every header (Header.session)
         self.connected = False
@@ -513,8 +526,30 @@ class Sender:
         for listener in self.listeners:
             listener(report)
 
+    @contextlib.contextmanager
+    def entering(self) -> Iterator[None]:
+        """Hold ``lock`` for a call; a wait for acks that holds it in another thread lets this one in
+        between two polls (at most ``_LET_IN_S`` later) instead of at its end."""
+        with self._wanting_lock:
+            self._wanting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._wanting_lock:
+                self._wanting -= 1
+        try:
+            self._turn.notify_all()
+            yield
+        finally:
+            self.lock.release()
+
+    def acked(self, worker: int) -> int:
+        """The newest version ``worker`` acked (-1 for none yet)."""
+        return self._acked[worker]
+
     def outstanding(self, version: int, targets: list[int], deadline: Deadline) -> tuple[list[int], dict[int, Ack]]:
-        """Collect events until every target acked ``version`` or failed, or the deadline passes.
+        """Collect events until every target acked ``version`` or failed, or the deadline passes,
+        letting threads that wait for the lock in between polls.
 
         Returns (targets still missing, rejections by worker).
         """
@@ -530,7 +565,9 @@ class Sender:
             if self.closing:
                 raise StateError(f"waiting for version {version} was interrupted: shutdown() was called from "
                                  f"another thread; build a new WeightSyncScheme")
-            self._pump(deadline)
+            self._pump(Deadline(deadline.slice(_LET_IN_S)))
+            if self._wanting:  # a send_async() beside this wait, say: the lock is its until it notifies
+                self._turn.wait(_LET_IN_S)
 
     def finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
         """Wait until every target applied ``version``. Raises the error a worker reported for it,

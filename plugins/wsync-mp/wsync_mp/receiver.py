@@ -252,7 +252,9 @@ class MpReceiver(ReceiverEndpoint):
         try:
             self._handshake(Deadline(_HANDSHAKE_S))
         except (OSError, TransportError) as exc:
-            self._end(f"the handshake with {self.peer}, started again, failed: {exc}", True)
+            # before its challenge, a listener closing as its sender shuts down (it accepted, then
+            # reset): none there yet, not an error; after it, a sender that refused or broke off
+            self._end(f"the handshake with {self.peer}, started again, failed: {exc}", self.challenged)
             return False
         sock.setblocking(False)
         self.selector.register(sock, selectors.EVENT_READ)
@@ -276,7 +278,9 @@ class MpReceiver(ReceiverEndpoint):
                 raise
 
     def _handshake(self, deadline: Deadline) -> None:
+        self.challenged = False
         challenge = self._read_frame(Kind.CHALLENGE, deadline)
+        self.challenged = True  # a sender answered
         nonce = secrets.token_bytes(NONCE_BYTES)
         self.sock.sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
                           + FRAMING.encode(Kind.HELLO, arg=self.worker))

@@ -157,6 +157,9 @@ class _Sender(SenderEndpoint):
         self._slots = []
         self._buffers = []
         self._acquired = self._latest = None
+        for conn in self._conns.values():  # a clean end, which the workers do not report as an error
+            with contextlib.suppress(OSError):  # (a worker whose socket is full sees end of file instead)
+                conn.sock.send(FRAMING.encode(Kind.BYE))
         self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
@@ -395,7 +398,7 @@ class _Receiver(ReceiverEndpoint):
 
     def _fresh(self) -> None:
         """What each connection starts with (the first, and one to a sender started again)."""
-        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE])
+        self._reader = FRAMING.reader("the shm sender", accept=[Kind.WELCOME, Kind.REFUSE, Kind.BYE])
         self._token: str | None = None
         self._newest: tuple[int, int, bytes] | None = None  # (slot, generation, header) not yet taken
         self._taken = 0
@@ -447,6 +450,7 @@ class _Receiver(ReceiverEndpoint):
         self._slots.clear()
         self._sock = sock
         self._fresh()
+        self._reported = True  # until its welcome: a listener closing as its sender shuts down accepts, then resets
         self._selector.register(sock, selectors.EVENT_READ)
         return True
 
@@ -506,7 +510,12 @@ class _Receiver(ReceiverEndpoint):
                     self._newest = (frame.arg, frame.value, frame.body)
                 elif frame.kind == Kind.WELCOME and _TOKEN.match(frame.body):
                     self._token = frame.body.decode()
-                    self._reader.accept = frozenset([Kind.DELIVER, Kind.REFUSE])
+                    self._reader.accept = frozenset([Kind.DELIVER, Kind.REFUSE, Kind.BYE])
+                    self._reported = False  # this sender's end is said (a redial's, until now, was not)
+                elif frame.kind == Kind.BYE:
+                    self._sender_gone(f"the shm sender {self._name!r} shut down")
+                    self._reported = True  # a clean end: not an error
+                    return False
                 elif frame.kind == Kind.REFUSE:
                     self._closed_by = f"the shm sender refused this worker: {frame.body.decode(errors='replace')}"
                     self._refused = True

@@ -29,10 +29,11 @@ class Kind(enum.IntEnum):
     WELCOME = 3  # sender -> receiver
     DELIVER = 4  # sender -> receiver
     REFUSE = 5   # sender -> receiver
+    BYE = 6      # sender -> receiver: it shuts down (a clean end: the worker says nothing of it)
 
 
 FRAMING = Framing(b"WSHM", {Kind.HELLO: 0, Kind.ACK: MAX_ACK_BYTES, Kind.WELCOME: 12,
-                            Kind.DELIVER: MAX_HEADER_BYTES, Kind.REFUSE: REASON_BYTES})
+                            Kind.DELIVER: MAX_HEADER_BYTES, Kind.REFUSE: REASON_BYTES, Kind.BYE: 0})
 
 
 def address(name: str) -> bytes:
