@@ -274,6 +274,8 @@ class Receiver:
         """Take the scheme's lock by ``deadline``. False if the deadline passes first, or if the
         thread holding it waits to enter the apply guard (which may be this thread's: waiting for
         it would never end)."""
+        if self.lock.acquire(blocking=False):  # the common case: no one holds it
+            return True
         while not self.lock.acquire(timeout=deadline.slice(0.05)):
             if self._parked or deadline.expired():
                 return False

@@ -530,6 +530,12 @@ class Sender:
     def entering(self) -> Iterator[None]:
         """Hold ``lock`` for a call; a wait for acks that holds it in another thread lets this one in
         between two polls (at most ``_LET_IN_S`` later) instead of at its end."""
+        if self.lock.acquire(blocking=False):  # the common case: no one holds it
+            try:
+                yield
+            finally:
+                self.lock.release()
+            return
         with self._wanting_lock:
             self._wanting += 1
         try:
