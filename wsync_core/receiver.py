@@ -195,7 +195,7 @@ class Receiver:
         if header.base is not None and not header.base <= self.version:
             return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
-        with self._safe_point(delivery), _interrupts_held():  # its model is not in use in here
+        with _SafePoint(self, delivery), _interrupts_held():  # its model is not in use in here
             # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
             # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
@@ -225,29 +225,6 @@ class Receiver:
         if warm is not None:
             warm()
         return header.version
-
-    @contextlib.contextmanager
-    def _safe_point(self, delivery: Delivery) -> Iterator[None]:
-        """Enter the worker's apply guard to apply ``delivery``. If shutdown() began meanwhile,
-        release the delivery, leave the guard, finish the shutdown if it was left to this thread
-        (``hand_over``), and raise StateError."""
-        with self._handover:
-            self._parked = True
-        try:
-            with self.guard():
-                with self._handover:
-                    self._parked = False
-                    finish, self._handed = self._handed, None
-                if not self.closing:
-                    yield
-                    return
-        finally:
-            with self._handover:  # (the guard raised)
-                self._parked = False
-        _release(delivery)
-        if finish is not None:
-            finish()
-        self.check_closing("receive()")
 
     def wait_for_version(self, version: int, deadline: Deadline, expect: Callable[[], None]) -> int:
         """Apply versions as they arrive until this worker holds ``version`` or newer; ``expect()``
@@ -463,6 +440,40 @@ def _interrupts_held() -> Iterator[None]:
         _signal.signal(_SIGINT, handler)
         if came:
             handler(_SIGINT, came[0])  # Python's default raises KeyboardInterrupt here
+
+
+class _SafePoint:
+    """The worker's apply guard, entered to apply a delivery. If shutdown() began meanwhile, the
+    delivery is released, the guard left, the shutdown finished if it was left to this thread
+    (``Receiver.hand_over``), and entering raises StateError."""
+
+    __slots__ = ("_receiver", "_delivery", "_guard")
+
+    def __init__(self, receiver: Receiver, delivery: Delivery) -> None:
+        self._receiver, self._delivery = receiver, delivery
+
+    def __enter__(self) -> None:
+        r = self._receiver
+        with r._handover:
+            r._parked = True
+        try:
+            guard = r.guard()
+            guard.__enter__()
+        finally:
+            with r._handover:
+                r._parked = False
+                finish, r._handed = r._handed, None
+        if not r.closing:
+            self._guard = guard
+            return
+        guard.__exit__(None, None, None)
+        _release(self._delivery)
+        if finish is not None:
+            finish()
+        r.check_closing("receive()")
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._guard.__exit__(*exc)
 
 
 class _WroteSince(Exception):

@@ -284,9 +284,12 @@ class WeightSyncScheme:
         deadline = self._deadline(timeout)  # one deadline for the snapshot and the acks
         handle = self._send_async(weights, worker_ids, deadline, keys)
         if self.sync:
-            with self._sending():
+            self._take_turn()
+            try:
                 self._expect(_State.SENDER_CONNECTED, "send")
                 self._role.finish(handle.version, handle.targets, deadline)
+            finally:
+                self._lock.release()
         return handle.version
 
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
@@ -297,20 +300,29 @@ class WeightSyncScheme:
     def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
                     keys: Iterable[str] | None = None) -> SendHandle:
         self._adopt_fork()
-        with self._sending():
+        self._take_turn()
+        try:
             self._expect(_State.SENDER_CONNECTED, "send")
             return self._role.send_async(weights, worker_ids, deadline, self._wait, keys)
+        finally:
+            self._lock.release()
 
     def _wait(self, handle: SendHandle, timeout: float | None) -> None:
-        with self._sending():
+        self._take_turn()
+        try:
             self._expect(_State.SENDER_CONNECTED, "wait")
             self._role.finish(handle.version, handle.targets, self._deadline(timeout))
+        finally:
+            self._lock.release()
 
-    def _sending(self) -> contextlib.AbstractContextManager[None]:
-        """The lock, for a sender's call: one waiting for acks in another thread lets it in between
-        its polls (``Sender.entering``)."""
+    def _take_turn(self) -> None:
+        """Take the lock for a sender's call (the caller releases it): one waiting for acks in
+        another thread lets it in between its polls (``Sender.take_turn``)."""
         role = self._role
-        return role.entering() if isinstance(role, Sender) else self._lock
+        if isinstance(role, Sender):
+            role.take_turn()
+        else:
+            self._lock.acquire()
 
     # -- receiver ----------------------------------------------------------------------------
     def init_on_receiver(self, *, model: Weights, worker_idx: int, model_id: str | None = None) -> None:

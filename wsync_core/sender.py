@@ -7,7 +7,6 @@ version, acks of asynchronous sends are collected).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -17,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -103,7 +102,7 @@ class Sender:
         self.model_id = model_id
         self.num_workers = num_workers
         self.lock = lock
-        #: a wait collecting acks under ``lock`` lets the threads that want it in between polls (``entering``)
+        #: a wait collecting acks under ``lock`` lets the threads that want it in between polls (``take_turn``)
         self._turn = threading.Condition(lock)
         self._wanting = 0
         self._wanting_lock = threading.Lock()
@@ -526,15 +525,10 @@ class Sender:
         for listener in self.listeners:
             listener(report)
 
-    @contextlib.contextmanager
-    def entering(self) -> Iterator[None]:
-        """Hold ``lock`` for a call; a wait for acks that holds it in another thread lets this one in
-        between two polls (at most ``_LET_IN_S`` later) instead of at its end."""
+    def take_turn(self) -> None:
+        """Take ``lock`` for a call (the caller releases it); a wait for acks that holds it in another
+        thread lets this one in between two of its polls (at most ``_LET_IN_S`` later), not at its end."""
         if self.lock.acquire(blocking=False):  # the common case: no one holds it
-            try:
-                yield
-            finally:
-                self.lock.release()
             return
         with self._wanting_lock:
             self._wanting += 1
@@ -543,11 +537,7 @@ class Sender:
         finally:
             with self._wanting_lock:
                 self._wanting -= 1
-        try:
-            self._turn.notify_all()
-            yield
-        finally:
-            self.lock.release()
+        self._turn.notify_all()
 
     def acked(self, worker: int) -> int:
         """The newest version ``worker`` acked (-1 for none yet)."""
