@@ -132,6 +132,24 @@ def connected_pair(transport: str = "inproc", model: Any = None, local: Any = No
     return sender, model, receiver, local
 
 
+def connected_workers(transport: str, n: int, **kw: Any) -> tuple[WeightSyncScheme, Any, list[WeightSyncScheme]]:
+    """A connected sender of a policy and ``n`` receivers of their own policies (connected in
+    threads of this process) on ``transport``: (sender, its model, receivers)."""
+    model = make_policy(0)
+    sender = WeightSyncScheme(transport, timeout=30.0, **kw)
+    sender.init_on_sender(model=model, num_workers=n)
+    workers = [pickle.loads(pickle.dumps(sender)) for _ in range(n)]
+    for i, w in enumerate(workers):
+        w.init_on_receiver(model=make_policy(1), worker_idx=i)
+    threads = [threading.Thread(target=w.connect) for w in workers]
+    for t in threads:
+        t.start()
+    sender.connect()
+    for t in threads:
+        t.join()
+    return sender, model, workers
+
+
 def connect_both(sender: WeightSyncScheme, receiver: WeightSyncScheme) -> tuple[Exception | None, Exception | None]:
     """Connect ``sender`` and ``receiver`` (in a thread) at once, both initialised: what each
     ``connect()`` raised, or None."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torch import nn
 
-from core_helpers import bump, connect_both, connected_pair, make_policy, same
+from core_helpers import bump, connect_both, connected_pair, connected_workers, make_policy, same
 from wsync_core import (
     SchemaMismatchError,
     StateError,
@@ -802,18 +802,7 @@ def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(tr
     """One trainer thread waits for a send's acks while worker 1 is busy; meanwhile another thread's
     send_async() to worker 0 returns once its snapshot is taken, and done() returns at once (both
     waited for the whole wait before)."""
-    model = make_policy(0)
-    sender = WeightSyncScheme(transport, timeout=30.0)
-    sender.init_on_sender(model=model, num_workers=2)
-    workers = [pickle.loads(pickle.dumps(sender)) for _ in range(2)]
-    for i, w in enumerate(workers):
-        w.init_on_receiver(model=make_policy(1), worker_idx=i)
-    threads = [threading.Thread(target=w.connect) for w in workers]
-    for t in threads:
-        t.start()
-    sender.connect()
-    for t in threads:
-        t.join()
+    sender, model, workers = connected_workers(transport, 2)
     stop = threading.Event()
     live = threading.Thread(target=lambda: [workers[0].receive(timeout=0.05) for _ in iter(stop.is_set, True)])
     live.start()
