@@ -349,8 +349,7 @@ class WeightSyncScheme:
         self._adopt_fork()
         deadline, role = Deadline(timeout), self._role
         if not isinstance(role, Receiver):
-            role = None
-            self._lock.acquire()
+            self._lock.acquire()  # (to say, under it, that this is no connected receiver)
         elif not role.take_lock(deadline):  # another thread's receive() outlasted the timeout, or it waits
             return None                     # for the apply guard with a newer version (this thread may hold it)
         try:
