@@ -92,6 +92,8 @@ class Receiver:
         self._parked = False
         self._handed: Callable[[], None] | None = None
         self._handover = threading.Lock()
+        #: threads waiting in ``take_lock``: a thread that just let the lock go does not take it back first
+        self._wanting = 0
 
     @property
     def versions_behind(self) -> int:
@@ -230,16 +232,18 @@ class Receiver:
         """Apply versions as they arrive until this worker holds ``version`` or newer; ``expect()``
         checks the scheme is still connected each time the lock is taken again."""
         while True:
-            if self.take_lock(deadline):
+            if self.version >= version:  # (another thread's receive() applied it: no need of the lock)
+                expect()
+                return self.version
+            if self.take_lock(Deadline(deadline.slice(0.05))):
                 try:
                     expect()
-                    if self.version >= version:
-                        return self.version
-                    self.receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
-                    if self.version >= version:
-                        return self.version
+                    if self.version < version:
+                        self.receive(Deadline(deadline.slice(0.05)))  # lets other threads in between
                 finally:
                     self.lock.release()
+                if self.version >= version:
+                    return self.version
             if deadline.expired():
                 parked = (" (another thread's receive() holds a newer one and waits for the apply guard: is it "
                           "held by the thread waiting?)" if self._parked else "")
@@ -251,12 +255,18 @@ class Receiver:
         """Take the scheme's lock by ``deadline``. False if the deadline passes first, or if the
         thread holding it waits to enter the apply guard (which may be this thread's: waiting for
         it would never end)."""
-        if self.lock.acquire(blocking=False):  # the common case: no one holds it
+        if not self._wanting and self.lock.acquire(blocking=False):  # the common case: no one holds it
             return True
-        while not self.lock.acquire(timeout=deadline.slice(0.05)):
-            if self._parked or deadline.expired():
-                return False
-        return True
+        with self._handover:
+            self._wanting += 1  # a receive() loop in another thread waits its turn behind this one
+        try:
+            while not self.lock.acquire(timeout=deadline.slice(0.05)):
+                if self._parked or deadline.expired():
+                    return False
+            return True
+        finally:
+            with self._handover:
+                self._wanting -= 1
 
     def rebind(self, model: Weights, connected: bool) -> None:
         """Apply future versions to ``model`` (same layout); a connected worker copies the version

@@ -416,7 +416,7 @@ SELECT: dict[str, str] = {
     # a hung test fails and the run goes on: the ordered test after it still passes
     "BlockingPublish": "test_versioned_counts_and_content or test_ordered_sender",
     "DeadlineIgnored": "test_endpoint_calls_honour_deadlines",
-    "SleepsThroughShutdown": "test_live_shutdown_ends_a_waiting_send",
+    "SleepsThroughShutdown": "test_endpoint_wake_ends_a_waiting_poll",
     "CloseNotIdempotent": "test_endpoint_close_from_any_state",
     "EndpointInOptions": "test_portable_pickles",
     "SharedAdoptable": "test_targeted_subset_send or test_isolated_kept_references",

@@ -84,7 +84,8 @@ class LiveChecks:
     def test_live_shutdown_ends_a_waiting_send(self, wsync: Context) -> None:
         """``shutdown()`` from another thread while ``send()`` waits for a worker that does not
         receive: the send ends with StateError and ``shutdown()`` returns, both long before the
-        send's timeout (the sender endpoint's ``wake`` ends its ``poll``)."""
+        send's timeout (the core waits for acks in polls of 50 ms, and the sender endpoint's
+        ``wake`` ends a waiting ``poll``: ``test_endpoint_wake_ends_a_waiting_poll``)."""
         s = wsync.session(version_spec(), n=1)
         fill_version(s.model, 1)
         outcome: dict[str, BaseException | int] = {}
