@@ -624,7 +624,7 @@ class EndpointChecks:
         e.events.clear()
         waiting = threading.Thread(target=e.sender.poll, args=(Deadline(30.0),), name="conformance-poll", daemon=True)
         waiting.start()
-        time.sleep(0.3)  # it waits now
+        time.sleep(0.1)  # it waits now
         e.sender.wake()
         waiting.join(_WOKEN_S)
         if waiting.is_alive():
