@@ -869,3 +869,16 @@ def test_a_clean_sender_shutdown_is_no_error_for_a_polling_worker(transport):
             receiver.shutdown()
             sender.shutdown()
         assert not errors, f"a clean shutdown raised in the worker: {errors}"
+
+
+def test_done_collects_the_acks_itself(cluster):
+    """done() reads the acks waiting when it gets the scheme: a loop of done() between rollouts ends
+    without a send() or wait() and without the service thread (which it did not before)."""
+    c = cluster(n=1, sync=False)
+    c.sender._role.stop()  # no service thread: only done() collects
+    h = c.sender.send_async()
+    deadline = time.monotonic() + 30
+    while not h.done():
+        assert time.monotonic() < deadline, "done() never saw the worker's ack"
+        time.sleep(0.005)
+    assert c.receivers[0].scheme.version == 1

@@ -61,12 +61,12 @@ class SendHandle:
         """True once every target acked this version (collects waiting acks, never blocks: while
         another thread holds the scheme, e.g. waiting for acks, it answers from those collected)."""
         sender = self._sender
-        if not sender.lock.acquire(blocking=False):
-            return all(sender.acked(w) >= self.version for w in self.targets)
-        try:
-            return sender.outstanding(self.version, self.targets, POLL) == ([], {})
-        finally:
-            sender.lock.release()
+        if sender.lock.acquire(blocking=False):
+            try:
+                sender.serve_once()
+            finally:
+                sender.lock.release()
+        return sender.applied(self.version, self.targets)
 
     def wait(self, timeout: float | None = None) -> int:
         """Return the version once all targets applied it.
@@ -539,9 +539,9 @@ class Sender:
                 self._wanting -= 1
         self._turn.notify_all()
 
-    def acked(self, worker: int) -> int:
-        """The newest version ``worker`` acked (-1 for none yet)."""
-        return self._acked[worker]
+    def applied(self, version: int, targets: list[int]) -> bool:
+        """Whether every one of ``targets`` acked ``version`` or a newer one (from the acks collected)."""
+        return all(self._acked[w] >= version for w in targets)
 
     def outstanding(self, version: int, targets: list[int], deadline: Deadline) -> tuple[list[int], dict[int, Ack]]:
         """Collect events until every target acked ``version`` or failed, or the deadline passes,
