@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -106,6 +107,37 @@ def test_parameters_packed_in_one_storage_without_overlap_are_adopted() -> None:
     assert torch.equal(params["a"], src["a"]) and torch.equal(params["b"], src["b"])
 
 
+def test_an_adopted_tensor_counts_the_write_so_a_graph_that_saved_it_raises() -> None:
+    """Re-pointing ``.data`` does not move a tensor's version counter by itself: a backward pass
+    through a graph that saved the old weight (an elementwise product, a conv) would use the new
+    values without a word, where a copy into it raises."""
+    weight = nn.Parameter(torch.ones(16))
+    x = torch.full((16,), 2.0, requires_grad=True)
+    loss = (x * weight).sum()  # saves weight itself (nn.Linear saves a view, which is never adopted)
+    before = weight._version
+    layout, buffer = _packed({"w": torch.full((16,), 3.0)})
+    assert layout.adopt(buffer, {"w": weight}) == [weight]
+    assert weight._version > before and torch.equal(weight, torch.full((16,), 3.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_target_whose_strides_differ_from_the_payload_keeps_them() -> None:
+    """A channels_last conv weight or a transposed parameter is copied into, not re-pointed at the
+    payload's row-major bytes: the worker's memory format and strides stay as it built them."""
+    conv = nn.Parameter(torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    proj = nn.Parameter(torch.zeros(6, 5).t())
+    plain = nn.Parameter(torch.zeros(3))
+    src = {"conv": torch.randn(4, 3, 2, 2), "proj": torch.randn(5, 6), "plain": torch.randn(3)}
+    strides = {"conv": conv.stride(), "proj": proj.stride()}
+    layout, buffer = _packed(src)
+    assert layout.adopt(buffer, {"conv": conv, "proj": proj, "plain": plain}) == [plain]
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    assert {"conv": conv.stride(), "proj": proj.stride()} == strides
+    for key, t in {"conv": conv, "proj": proj, "plain": plain}.items():
+        assert torch.equal(t, src[key]), key
+
+
 def test_module_walk_lists_what_named_parameters_and_buffers_list() -> None:
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.Linear(3, 2, bias=False)))
@@ -120,3 +152,40 @@ def test_module_walk_lists_what_named_parameters_and_buffers_list() -> None:
         got = flatten(m, detach=False)
         assert list(got) == list(expected)
         assert all(got[k] is v for k, v in expected.items())
+
+
+@pytest.mark.parametrize("transport", ["shm", "mp"])
+def test_a_worker_graph_that_saved_a_weight_raises_after_an_adopted_receive(transport: str) -> None:
+    """End to end on transports that adopt (a model of 1.2 MiB): a conv that saved its weight
+    before a receive, then backward, raises as docs/api.md promises; a channels_last weight stays so."""
+    from core_helpers import bump, connected_pair
+
+    def conv() -> nn.Module:
+        return nn.Conv2d(96, 96, 6, bias=False).to(memory_format=torch.channels_last)
+
+    def plain() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(64, 64, 9))
+
+    sender, model, receiver, local = connected_pair(transport, plain(), plain(), sync=False)
+    try:
+        x = torch.randn(1, 64, 9, 9, requires_grad=True)
+        loss = local(x).sum()
+        bump(model)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30) == 1 and handle.wait(30) == 1
+        assert torch.equal(local[0].weight, model[0].weight)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+    sender, model, receiver, local = connected_pair(transport, conv(), conv(), sync=False)
+    try:
+        bump(model)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30) == 1 and handle.wait(30) == 1
+        assert torch.equal(local.weight, model.weight)
+        assert local.weight.is_contiguous(memory_format=torch.channels_last)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()

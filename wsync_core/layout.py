@@ -299,10 +299,12 @@ class Layout:
         """Make each target a view of the flat ``buffer`` instead of copying into it, where it can.
 
         A target keeps its Python object (a Parameter stays the module's Parameter); its storage
-        becomes the buffer's. A target is copied into instead, as by ``unpack``, when re-pointing
-        it would leave another holder of its memory behind (a view, a state_dict entry or alias,
-        a tensor the worker kept: they must keep seeing the model's values) or when it cannot be
-        re-pointed (another device, shared or pinned memory, a subclass, a non-leaf). All or
+        becomes the buffer's, and its version counter moves on as an in-place copy's would. A
+        target is copied into instead, as by ``unpack``, when re-pointing it would leave another
+        holder of its memory behind (a view, a state_dict entry or alias, a tensor the worker kept:
+        they must keep seeing the model's values), would change its strides (channels_last, a
+        transpose) or when it cannot be re-pointed (another device, shared or pinned memory, a
+        subclass, a non-leaf). All or
         nothing: if a copy fails, every re-pointed target gets its old memory back. Returns the
         adopted targets; the memory they had is appended to ``retired`` if given, so that the
         caller chooses when it is freed (freeing a mapping costs time).
@@ -316,7 +318,7 @@ class Layout:
             try:
                 for e, t, mine in zip(self._filled, tensors, alone):
                     view = self.view(buffer, e)
-                    if mine and _adoptable(t, buffer):
+                    if mine and _adoptable(t, buffer) and t.stride() == view.stride():  # (keeps channels_last, a transpose)
                         old = t.data
                         try:
                             t.data = view
@@ -333,6 +335,8 @@ class Layout:
                 for t, old in reversed(undo):
                     t.data = old
                 raise
+        if adopted and _BUMP_VERSIONS is not None:  # as a copy would: a graph that saved one raises
+            _BUMP_VERSIONS(adopted)
         if retired is not None:
             retired.extend(old for _, old in undo)
         return adopted
