@@ -639,6 +639,56 @@ def test_version_after_shutdown_is_the_one_the_model_keeps() -> None:
     assert (s.version, r.version) == (1, 1) and s.state == r.state == "shut down"
 
 
+def test_entries_that_are_one_key_once_joined_are_refused_naming_it() -> None:
+    """``{"a": {"b": x}, "a.b": y}`` (or a TensorDict with a nested and a dotted key) would flatten to
+    one key, one tensor never synced: refused on both sides, naming the key."""
+    dicts = [{"a": {"b": torch.zeros(3)}, "a.b": torch.ones(3)}, {"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}},
+             TensorDict({"a": {"b": torch.zeros(3)}, "a.b": torch.ones(3)}, [])]
+    for weights in dicts:
+        with pytest.raises(TypeError, match="both named 'a.b' once nested keys are joined"):
+            WeightSyncScheme("inproc").init_on_sender(weights=weights, num_workers=1)
+        scheme = WeightSyncScheme("inproc")
+        with pytest.raises(TypeError, match="both named 'a.b'"):
+            scheme.init_on_receiver(model=weights, worker_idx=0)
+        assert scheme.state == "new"
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused_naming_its_parameters() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    for init in (lambda s: s.init_on_sender(model=model, num_workers=1),
+                 lambda s: s.init_on_receiver(model=model, worker_idx=0)):
+        with pytest.raises(TypeError, match=r"'0.weight', '0.bias' of the model are not initialized yet.*forward pass"):
+            init(WeightSyncScheme("inproc"))
+    model(torch.zeros(1, 3))  # materialized: it syncs like any module
+    sender, _, receiver, local = connected_pair("inproc", model, nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    try:
+        assert same(model, local)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_a_compiled_model_syncs_under_the_keys_of_the_module_it_wraps() -> None:
+    """``torch.compile(model)`` holds the same tensors under ``_orig_mod.``: a compiled worker or
+    trainer pairs with a plain one (it was refused: keys only on the receiver)."""
+    trainer, worker = make_policy(0), torch.compile(make_policy(1))
+    sender, _, receiver, _ = connected_pair("inproc", trainer, worker, sync=False)
+    try:
+        bump(trainer)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30) == 1 and handle.wait(30) == 1
+        assert same(trainer, worker._orig_mod)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+    sender, _, receiver, local = connected_pair("inproc", torch.compile(trainer), make_policy(2))
+    try:
+        assert same(trainer, local)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_a_lazily_stacked_tensordict_is_refused_as_a_worker_s_model_and_read_as_a_trainer_s() -> None:
     """A LazyStackedTensorDict stacks its entries anew on every read: written into, it would never
     change (the worker acked versions it did not hold). A worker is refused it at init, at its root

@@ -26,7 +26,7 @@ from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
 from .weights import (EXTRA_STATE, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
-                      restore_extra_state, stranded_meta)
+                      restore_extra_state, stranded_meta, unwrap)
 
 __all__ = ["Receiver"]
 
@@ -45,6 +45,7 @@ class Receiver:
         ``worker_idx``, TypeError for a model of another type."""
         if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
             raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        model = unwrap(model)
         check_holds_writes(model)
         tensors = flatten(model, strategy)
         self.layout = Layout.of(tensors)
@@ -272,6 +273,7 @@ class Receiver:
         """Apply future versions to ``model`` (same layout); a connected worker copies the version
         it holds into it first. Raises SchemaMismatchError if its layout differs, TypeError if it
         cannot hold writes (``check_holds_writes``)."""
+        model = unwrap(model)
         check_holds_writes(model)
         targets = flatten(model, self.strategy, detach=False)
         self.layout.check_fits(targets, mine="model at init_on_receiver()", theirs="model given to rebind()",

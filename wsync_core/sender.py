@@ -27,7 +27,7 @@ from .layout import ALIGN, Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
-from .weights import Weights, device_of, flatten, meta_keys
+from .weights import Weights, device_of, flatten, meta_keys, unwrap
 
 __all__ = ["Sender", "SendHandle"]
 
@@ -97,7 +97,7 @@ class Sender:
         self.endpoint: SenderEndpoint = transport.sender(SenderContext(num_workers, self.layout, model_id,
                                                                        device_of(tensors)))
         self.transport = transport
-        self.source = source
+        self.source = unwrap(source)
         self.strategy = strategy
         self.model_id = model_id
         self.num_workers = num_workers

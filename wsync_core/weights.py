@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a work
     from tensordict import TensorDictBase
 
 __all__ = ["Strategy", "Weights", "STRATEGIES", "is_tensordict", "flatten", "check_strategy", "meta_keys",
-           "stranded_meta", "materialize", "check_holds_writes",
+           "stranded_meta", "materialize", "check_holds_writes", "unwrap",
            "restore_extra_state", "EXTRA_STATE", "device_of"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
@@ -53,6 +53,7 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
     Raises TypeError if ``weights`` is not a module, a TensorDict or a mapping of tensors.
     """
     if isinstance(weights, nn.Module):
+        weights = unwrap(weights)
         extras: list[tuple[str, nn.Module]] = []
         if strategy == "state_dict":
             items = [(k, v) for k, v in weights.state_dict(keep_vars=True).items() if not k.endswith(EXTRA_STATE)]
@@ -60,7 +61,11 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
         else:
             items = _module_tensors(weights, extras)
         if detach:
-            out = {k: v.detach() for k, v in items if v is not None}
+            try:
+                out = {k: v.detach() for k, v in items if v is not None}
+            except ValueError:  # torch's word for a lazy module's parameter: say which, and what to do
+                _refuse_uninitialized(items)
+                raise
         else:
             out = {k: v for k, v in items if v is not None}
         for prefix, module in extras:
@@ -74,6 +79,8 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
                 name = key if isinstance(key, str) else ".".join(key)
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"TensorDict entry {name!r} is a {type(value).__name__}, expected a tensor")
+                if name in out:
+                    raise TypeError(_collision(name, key))
                 out[name] = _maybe_detach(value, detach)
         except RuntimeError as exc:  # a lazy stack of entries that do not stack (other shapes)
             raise TypeError(f"the TensorDict's entries cannot be read as tensors: {exc}") from exc
@@ -85,16 +92,45 @@ def flatten(weights: Any, strategy: Strategy = "tensordict", *, detach: bool = T
                 raise TypeError(f"state_dict keys must be strings, got {key!r}")
             if isinstance(value, Mapping) or is_tensordict(value):
                 for sub, tensor in flatten(value, strategy, detach=detach).items():
-                    out[f"{key}.{sub}"] = tensor
+                    name = f"{key}.{sub}"
+                    if name in out:
+                        raise TypeError(_collision(name, (key, sub)))
+                    out[name] = tensor
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"state_dict entry {key!r} is a {type(value).__name__}, expected a tensor")
+            if key in out:
+                raise TypeError(_collision(key, key))
             out[key] = _maybe_detach(value, detach)
         return out
     raise TypeError(
         f"weights must be an nn.Module, a TensorDict or a state_dict (mapping of str to tensor), "
         f"got {type(weights).__name__}"
     )
+
+
+def unwrap(weights: Any) -> Any:
+    """The module a ``torch.compile`` wrapper runs (its ``_orig_mod``; ``weights`` itself for anything
+    else): a compiled worker or trainer holds the same tensors under the same keys as a plain one."""
+    while type(weights).__name__ == "OptimizedModule" and isinstance(getattr(weights, "_orig_mod", None), nn.Module):
+        weights = weights._orig_mod
+    return weights
+
+
+def _collision(name: str, where: Any) -> str:
+    """What to say of two entries that are one key once nested keys are joined with ``.``."""
+    return (f"two entries of the weights are both named {name!r} once nested keys are joined with '.' (the "
+            f"second: {where!r}): one of them would never be sent or received; rename one of them")
+
+
+def _refuse_uninitialized(items: list[tuple[str, torch.Tensor | None]]) -> None:
+    """Raise TypeError naming the parameters and buffers a lazy module has not made yet, if any."""
+    lazy = [k for k, v in items if isinstance(v, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        shown = ", ".join(repr(k) for k in lazy[:8]) + (f" and {len(lazy) - 8} more" if len(lazy) > 8 else "")
+        raise TypeError(f"{shown} of the model are not initialized yet (a lazy module such as nn.LazyLinear "
+                        f"has no shape until its first forward pass): run one forward pass on a sample input, "
+                        f"or build the module with its sizes, before giving it to wsync")
 
 
 def check_holds_writes(weights: Any) -> None:
