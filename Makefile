@@ -2,9 +2,10 @@
 #   make demo   set up .venv, then run the main job (a trainer syncing a policy to 4 worker processes)
 #   make test   set up .venv, then run every test
 #
-# The torch build is chosen here and only here. The default is the CPU build; on a CUDA machine:
+# The torch build is chosen here and only here. The default is the CPU build, from PyTorch's CPU
+# index (PyPI's torch==2.13.0 is a CUDA build of several GB); on a CUDA machine:
 #   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
-TORCH ?= torch==2.13.0
+TORCH ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from wsync_core import UnknownTransportError, WeightSyncScheme, list_transports
+from wsync_core.registry import install_hint
 
 GOOD = '''
 from wsync_core import Capabilities, hookimpl
@@ -127,7 +128,10 @@ def test_plugins_add_commands_and_unknown_ones_say_how_to_get_them(site):
     out = wsync(site, "hello", "--who", "wsync")
     assert out.returncode == 3 and out.stdout.strip() == "hello wsync", out.stderr
     out = wsync(site, "nosuchcommand")
-    assert out.returncode == 2 and "pip install wsync-nosuchcommand" in out.stderr and "hello" in out.stderr
+    assert out.returncode == 2 and "hello" in out.stderr, out.stderr
+    assert "no plugin of wsync's repository provides a command 'nosuchcommand'" in out.stderr
+    assert "pip install" not in out.stderr  # (no name on a package index that nobody owns)
+    assert install_hint("bench", "command").endswith("pip install -e benchmarks (from a clone of it)")
 
 
 def test_installed_plugin_works_end_to_end(site):
@@ -158,7 +162,9 @@ def test_unknown_transport_lists_installed_and_how_to_install():
     with pytest.raises(UnknownTransportError) as info:
         WeightSyncScheme("nosuch")
     msg = str(info.value)
-    assert "'nosuch'" in msg and "inproc" in msg and "pip install wsync-nosuch" in msg
+    assert "'nosuch'" in msg and "inproc" in msg and "entry point group" in msg and "pip install" not in msg
+    for name, folder in (("shm", "plugins/wsync-shm"), ("tcp", "contrib/wsync-tcp")):  # where ours lie
+        assert f"pip install -e {folder} (from a clone of it)" in install_hint(name, "transport")
     assert isinstance(info.value, LookupError)
     names = {i.name for i in list_transports()}
     assert "inproc" in names

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .registry import list_commands, list_transports
+from .registry import install_hint, list_commands, list_transports
 
 __all__ = ["main"]
 
@@ -50,8 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = {"transports", *list_commands()}
     if argv and not argv[0].startswith("-") and argv[0] not in known:
         print(f"wsync: no command {argv[0]!r}; installed: {', '.join(sorted(known))}. Plugins add commands: "
-              f"by convention the distribution wsync-{argv[0]} provides it (pip install wsync-{argv[0]}).",
-              file=sys.stderr)
+              f"{install_hint(argv[0], 'command')}.", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     return args.func(args)

@@ -23,13 +23,20 @@ from .errors import UnknownTransportError
 from .transport import Transport, check_interface, check_options
 
 __all__ = ["TransportInfo", "Command", "list_transports", "get_transport", "resolve_transport", "list_commands",
-           "ENTRY_POINT_GROUP"]
+           "install_hint", "ENTRY_POINT_GROUP"]
 
 log = logging.getLogger("wsync")
 
 ENTRY_POINT_GROUP = "wsync"
 #: built-in plugin modules, registered without an entry point
 _BUILTIN = ("wsync_core.inproc",)
+#: where the plugins of this project's repository lie (they are not published on a package index):
+#: what an unknown name's error tells the user to install
+_IN_REPOSITORY = {
+    **{name: f"plugins/wsync-{name}" for name in ("shm", "mp", "distributed", "rpc", "zmq")},
+    **{name: f"contrib/wsync-{name}" for name in ("tcp", "unix", "files", "ray")},
+    "conformance": "conformance", "bench": "benchmarks",
+}
 
 
 @dataclass(frozen=True)
@@ -166,10 +173,20 @@ def get_transport(name: str) -> type[Transport]:
     if info is not None and info.error:
         raise UnknownTransportError(f"transport {name!r} is installed ({info.distribution}) but failed to load: "
                                     f"{info.error}. Installed transports: {installed}")
-    hint = f"install the distribution that provides it, by convention wsync-{name} (pip install wsync-{name})"
+    hint = install_hint(name, "transport")
     if name in _disabled():
         hint = f"it is disabled by WSYNC_DISABLE_PLUGINS={os.environ['WSYNC_DISABLE_PLUGINS']}"
     raise UnknownTransportError(f"no transport named {name!r}; installed: {installed}. To get it: {hint}")
+
+
+def install_hint(name: str, kind: str) -> str:
+    """How to get the ``kind`` ("transport" or "command") called ``name``: the folder of this project's
+    repository it ships in, or how a third party's plugin makes itself known."""
+    folder = _IN_REPOSITORY.get(name)
+    if folder is not None:
+        return f"it ships with wsync's repository: pip install -e {folder} (from a clone of it)"
+    return (f"no plugin of wsync's repository provides a {kind} {name!r}; one from elsewhere registers it "
+            f"under the 'wsync' entry point group once its distribution is installed")
 
 
 def list_commands() -> dict[str, Command]:
