@@ -201,9 +201,15 @@ def test_atomic_a_ctrl_c_during_a_receive_lands_once_the_version_is_whole_number
             return written
 
         monkeypatch.setattr(Layout, "unpack", write_then_ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
-            receiver.receive(timeout=10.0)
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            got: object = receiver.receive(timeout=10.0)
+        except KeyboardInterrupt:
+            got = KeyboardInterrupt
         monkeypatch.undo()
+        # (it failed once in a whole run, at load, unexplained: say what happened if it does again)
+        assert got is KeyboardInterrupt, (f"receive() returned {got!r}, wrote={wrote}, version {receiver.version}, "
+                                          f"SIGINT handler before {handler!r}, now {signal.getsignal(signal.SIGINT)!r}")
         assert wrote and receiver.version == 1 and same(model, local)
         assert handle.wait(10.0) == 1
     finally:
