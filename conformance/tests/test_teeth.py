@@ -23,8 +23,9 @@ broken = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(broken)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+def _env(*paths: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), *map(str, paths),
+                                                                     os.environ.get("PYTHONPATH")])))
     env.pop("HYPOTHESIS_PROFILE", None)
     env["WSYNC_CONFORMANCE_GRACE"] = "3"  # a call blocked in C: the process is ended sooner
     env["WSYNC_CONFORMANCE_WORK"] = "10"  # a hung test is found after its timeouts and 10 s, not 30
@@ -42,6 +43,10 @@ BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "CrashesInC", "DeadlineIgnore
               "IgnoresRestart", "NoReconnect", "DroppedAck")
 #: the reference transport, run through the whole suite by the command first, beside the broken ones
 REFERENCE = "inproc"
+#: the smallest transport of docs/writing-a-transport.md (its first runnable block), which the page
+#: says passes the whole suite: run through it by the command beside the reference
+DOCS = "mailbox_doc:MailboxTransport"
+_RUNNABLE = re.compile(r"^<!-- runnable -->\n```python\n(.*?)^```$", re.M | re.S)
 #: command runs side by side (the broken ones mostly wait for timeouts)
 PARALLEL = 4
 #: every broken transport's run happens in the first test's setup: more than the project's 300 s
@@ -80,10 +85,14 @@ def _batch_results(path: Path, names: list[str]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """``inproc`` through the whole suite, and every broken transport through the tests that must
-    catch it (``wsync_broken.SELECT``), by name: ``inproc`` and the ``BY_COMMAND`` ones through
-    the command, a few at a time, longest first, beside one pytest process that holds the rest."""
-    pending = [REFERENCE] + [n for n in BY_COMMAND if n in broken.BROKEN]
+    """``inproc`` and the docs' smallest transport through the whole suite, and every broken transport
+    through the tests that must catch it (``wsync_broken.SELECT``), by name: those two and the
+    ``BY_COMMAND`` ones through the command, a few at a time, longest first, beside one pytest
+    process that holds the rest."""
+    docs = tmp_path_factory.mktemp("docs")
+    page = (HERE.parent.parent / "docs" / "writing-a-transport.md").read_text()
+    (docs / "mailbox_doc.py").write_text(_RUNNABLE.findall(page)[0])
+    pending = [REFERENCE, DOCS] + [n for n in BY_COMMAND if n in broken.BROKEN]
     batched = sorted(set(broken.BROKEN) - set(pending))
     running: dict[str, tuple[subprocess.Popen, object, Path]] = {}
     results: dict[str, Run] = {}
@@ -100,9 +109,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
                 name = pending.pop(0)
                 there = tmp_path_factory.mktemp(name)
                 log = open(there / "log.txt", "w+")
-                args = [name] if name == REFERENCE else [f"wsync_broken:{name}", "-k", broken.SELECT[name], "--timeout", "5"]
+                whole = name in (REFERENCE, DOCS)
+                args = [name] if whole else [f"wsync_broken:{name}", "-k", broken.SELECT[name], "--timeout", "5"]
                 cmd = _command(args, there / "results.json")
-                running[name] = (subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=there),
+                running[name] = (subprocess.Popen(cmd, env=_env(docs), stdout=log, stderr=subprocess.STDOUT, cwd=there),
                                  log, there)
             for name, (proc, log, there) in list(running.items()):
                 if proc.poll() is None:
@@ -224,6 +234,16 @@ def test_inproc_passes_every_guarantee(runs) -> None:
     assert "capabilities declared: zero_copy, async_send, subset_send, late_join" in log, log[-9000:]
     for name in ("zero_copy", "async_send", "subset_send", "late_join"):
         assert re.search(rf"^{name} +passed ", log, re.MULTILINE), log[-9000:]
+
+
+def test_the_docs_smallest_transport_passes_every_guarantee(runs) -> None:
+    """docs/writing-a-transport.md says its smallest transport (its first runnable block) passes the
+    whole suite (it had no ``wake()`` once, and failed two live checks)."""
+    code, log, results = runs[DOCS]
+    assert code == 0, f"the smallest transport fails the suite:\n{log[-9000:]}"
+    assert {g: r["status"] for g, r in results.items()} == dict.fromkeys(
+        ("exact", "isolated", "atomic", "versioned", "live", "targeted", "ordered", "portable", "clean", "safe"),
+        "passed"), log[-9000:]
 
 
 def test_wsync_conformance_command_prints_the_table(tmp_path: Path) -> None:
