@@ -505,8 +505,9 @@ class StreamSender(_Loop, SenderBase):
         _nonblocking(stream)
         conn = _Conn(stream, _Reader(0, lambda n: None), "auth" if self.authkey is not None else "hello")
         conn.reader.accept = frozenset({Kind.RESPONSE} if self.authkey is not None else {Kind.HELLO})
-        if len(self.strangers) >= _MAX_STRANGERS:
-            self._drop(self.strangers[0], "too many connections that have not said hello")
+        if len(self.strangers) >= _MAX_STRANGERS:  # the oldest goes untold (a BYE with a reason is a
+            # refusal for good): a worker among them, slow to say hello, connects again
+            self._drop(self.strangers.pop(0), "too many connections that have not said hello")
         self.strangers.append(conn)
         self.selector.register(stream, selectors.EVENT_READ, conn)
         if self.authkey is not None:

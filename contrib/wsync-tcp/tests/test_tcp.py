@@ -340,6 +340,27 @@ def test_a_stranger_dropped_in_the_round_it_is_readable_leaves_the_sender_servin
             s.close()
 
 
+def test_a_stranger_dropped_for_newer_ones_is_not_refused_for_good() -> None:
+    """The oldest connection without a hello, dropped when one too many came, is closed without a
+    reason: a BYE with one tells a receiver it was refused for good, so a worker slow to say hello
+    during a flood of strangers (an outside audit: one 30 ms away) stopped, and never came back."""
+    from wsync_core.stream import _MAX_STRANGERS
+
+    with raw_sender(1, heartbeat=30.0) as (endpoint, address):
+        oldest = socket.create_connection(address)
+        others = [socket.create_connection(address) for _ in range(_MAX_STRANGERS)]
+        try:
+            kinds = []
+            with pytest.raises(EOFError):
+                while True:
+                    kind, _, body = read_frame(oldest)
+                    kinds.append((kind, body))
+            assert not [body for kind, body in kinds if kind == Kind.BYE and body], kinds
+        finally:
+            for s in [oldest, *others]:
+                s.close()
+
+
 def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> None:
     """Newest hello wins (a worker restarted while its old connection lingers), and the old
     connection is told why: a receiver still reading it stops for good (its receive() raises) instead

@@ -197,6 +197,38 @@ def test_a_stopped_worker_is_given_up_and_joins_again_when_it_resumes(workers):
         assert applied == sorted(set(applied)) and applied[-1] == 3, applied
 
 
+def test_a_heartbeat_key_written_by_someone_else_does_not_end_the_watch(workers):
+    """The store takes anyone's writes (distributed has no auth): a heartbeat key set to something
+    that is not a count ended the sender's watcher thread (an outside audit: int() of it, unchecked),
+    and no silent worker was ever given up again. Now a stopped worker is named within its
+    heartbeat_timeout as before, its key's value quoted."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from wsync_distributed import wire
+
+    scheme, w = _sender(1, "kib10")
+    options = scheme.transport.options
+    proc = workers({"options": options, "variant": "kib10", "until": 1, "run_s": 120, "idx": 0})
+    try:
+        scheme.connect()
+        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
+                                                                  timedelta(seconds=10)))
+        store.set(wire.heartbeat_key(0), b"not-a-number")
+        time.sleep(3 * HEARTBEAT)
+        assert any(t.name == "wsync-distributed-watch" for t in threading.enumerate())
+        proc.proc.send_signal(signal.SIGSTOP)
+        _fill(w, 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=SEND_TIMEOUT)
+        assert info.value.workers == [0] and time.monotonic() - t0 < SEND_TIMEOUT / 2, info.value
+    finally:
+        proc.proc.send_signal(signal.SIGCONT)
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("variant", ["other"])
 def test_schema_mismatch_raises_on_both_sides(workers, variant):
     scheme, _ = _sender(1)

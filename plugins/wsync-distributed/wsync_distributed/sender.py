@@ -362,11 +362,12 @@ class DistributedSender(SenderBase):
                 continue
             now = time.monotonic()
             for lane, value in zip(lanes, values):
-                count = int(value)
-                if count != lane.beats:
+                count = _count(value)  # None: something else wrote the key (the store takes anyone's writes)
+                if count is not None and count != lane.beats:
                     lane.beats, lane.seen = count, now
                 elif now - lane.seen > self.cfg.heartbeat_timeout:
-                    self._lose(lane, f"no heartbeat for {now - lane.seen:.1f} s (heartbeat_timeout="
+                    what = "no heartbeat" if count is not None else f"its heartbeat key holds {bytes(value)[:40]!r}, no count,"
+                    self._lose(lane, f"{what} for {now - lane.seen:.1f} s (heartbeat_timeout="
                                      f"{self.cfg.heartbeat_timeout:g}); the worker died, hangs or is cut off", store)
 
     # -- the event reader --------------------------------------------------------------------
@@ -528,3 +529,11 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _count(value: bytes) -> int | None:
+    """A heartbeat key's value as the count a worker's ``store.add`` keeps, or None if it is not one."""
+    try:
+        return int(value)
+    except ValueError:
+        return None

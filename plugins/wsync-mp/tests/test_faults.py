@@ -294,6 +294,49 @@ def test_sender_drops_hostile_clients(garbage, pool, sender_scheme):
     assert _latest([out], 1) == [1]
 
 
+def test_a_flood_of_unfinished_handshakes_is_bounded_and_workers_join_meanwhile(pool, sender_scheme):
+    """A local process opens connections that never answer the challenge (the address is listed in
+    /proc/net/unix, no authkey needed): the sender keeps at most _MAX_HANDSHAKING of them, dropping
+    the oldest, and goes on serving, a worker joining in the middle of the flood included. It kept
+    every one (an outside audit: out of descriptors, its I/O thread ended, every worker was lost)."""
+    from wsync_mp.sender import _MAX_HANDSHAKING
+
+    scheme, model = sender_scheme(num_workers=2)
+    address = scheme.transport.options["address"]
+    connecting = threading.Thread(target=scheme.connect)  # listens, then waits for both workers
+    connecting.start()
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(flood) < 3 * _MAX_HANDSHAKING:
+            try:
+                flood.append(_raw_connect(address))
+            except OSError:  # not listening yet, or its backlog full: the sender accepts in its own time
+                assert time.monotonic() < deadline, f"the sender stopped accepting after {len(flood)} connections"
+                time.sleep(0.01)
+        for s in flood:
+            s.settimeout(TIMEOUT)
+        closed = 0
+        for s in flood[:2 * _MAX_HANDSHAKING]:  # the oldest: dropped once newer ones came
+            try:
+                while s.recv(1 << 16):
+                    pass
+            except ConnectionResetError:
+                pass
+            closed += 1
+        assert closed == 2 * _MAX_HANDSHAKING
+        p = pool()
+        outs = [p.worker(pickle.dumps(scheme), w)[1] for w in (0, 1)]
+        connecting.join(TIMEOUT * 2)
+        assert not connecting.is_alive() and _latest(outs, 0) == [0, 0]
+        _fill(model, 1)
+        assert scheme.send() == 1 and _latest(outs, 1) == [1, 1]
+    finally:
+        for s in flood:
+            s.close()
+        connecting.join(TIMEOUT * 2)
+
+
 def test_sender_drops_a_worker_that_probes_without_reading(pool, sender_scheme):
     """An authenticated worker that floods probes and never reads the answers is dropped once its
     queue holds _MAX_QUEUED frames; the sender's memory stays bounded and the others keep being updated."""

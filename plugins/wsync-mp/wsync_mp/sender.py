@@ -27,6 +27,7 @@ import selectors
 import socket
 import stat
 import threading
+import time
 import weakref
 from array import array
 from collections import deque
@@ -55,6 +56,11 @@ _MAX_EVENTS = 65536
 #: frames queued for a worker that does not read them (answers to its probes, notifications):
 #: one that probes past this without reading is dropped
 _MAX_QUEUED = 64
+#: connections that have not finished the handshake, at most (a flood of them drops the oldest:
+#: a worker's own handshake takes one round trip on this host, and it connects again)
+_MAX_HANDSHAKING = 64
+#: how long a connection may take to finish the handshake before it is dropped (seconds)
+_HANDSHAKE_S = 10.0
 _live: weakref.WeakSet[MpSender] = weakref.WeakSet()
 
 
@@ -65,6 +71,7 @@ class _Conn:
         self.sock = sock
         self.reader = FRAMING.reader("an unauthenticated peer", frozenset({Kind.RESPONSE}))
         self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.since = time.monotonic()
         self.worker: int | None = None
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.has_fd: set[int] = set()        # slots whose descriptor this peer already got
@@ -258,6 +265,8 @@ class MpSender(SenderEndpoint):
         self._handshaking: dict[int, _Conn] = {}
         try:
             while not self.closing:
+                if self._handshaking:
+                    self._expire_handshakes()
                 for key, mask in self.selector.select(1.0):
                     if key.fileobj is self.listener:
                         self._accept()
@@ -288,13 +297,28 @@ class MpSender(SenderEndpoint):
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:  # out of descriptors (EMFILE, ENFILE), say: make room, and go on serving
+            log.warning("mp sender could not accept a connection: %s", exc)
+            if self._handshaking:
+                self._drop(next(iter(self._handshaking.values())), f"dropped to make room: {exc}")
+            else:
+                time.sleep(0.05)  # (the listener stays readable: no loop at full speed meanwhile)
+            return
         sock.setblocking(False)
+        if len(self._handshaking) >= _MAX_HANDSHAKING:
+            self._drop(next(iter(self._handshaking.values())), "too many connections in the handshake")
         conn = _Conn(sock)
         self._handshaking[sock.fileno()] = conn
         conn.push(FRAMING.encode(Kind.CHALLENGE, conn.nonce))
         self.selector.register(sock, selectors.EVENT_READ, conn)
         with self.cond:
             self._flush(conn)
+
+    def _expire_handshakes(self) -> None:
+        """Drop the connections that have not finished the handshake within ``_HANDSHAKE_S``."""
+        now = time.monotonic()
+        for conn in [c for c in self._handshaking.values() if now - c.since > _HANDSHAKE_S]:
+            self._drop(conn, f"no handshake within {_HANDSHAKE_S:g} s")
 
     def _read(self, conn: _Conn) -> None:
         data = conn.sock.recv(_READ_CHUNK)

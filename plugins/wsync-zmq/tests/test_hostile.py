@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
+from wsync_core import Deadline, SenderContext, TransportError, WeightSyncScheme, WorkerTimeoutError
 from wsync_core.layout import Layout
 from wsync_core.protocol import Ack, Header, checksum
 from wsync_core.weights import flatten
@@ -76,6 +76,28 @@ def test_sender_survives_garbage_from_raw_and_zmq_peers(spawn, context, caplog):
         assert "has not said hello" in caplog.text and "malformed message from a peer" in caplog.text
     finally:
         scheme.shutdown()
+
+
+def test_a_connection_that_never_greets_is_closed_after_heartbeat(context):
+    """A raw TCP peer that never sends ZMTP's greeting is closed within ``heartbeat`` (2 s here):
+    libzmq's default 30 s let a local flood of silent connections hold every descriptor of the
+    trainer's process (an outside audit: 1,100 of them, a new worker could not join)."""
+    transport = ZmqTransport(heartbeat=2.0)
+    layout = Layout.of(flatten(make_model(0)))
+    endpoint = transport.sender(SenderContext(1, layout, "policy", torch.device("cpu")))
+    host, port = transport.options["address"][len("tcp://"):].rsplit(":", 1)
+    try:
+        endpoint.open(Deadline(10))  # (listening, no worker needed)
+        with socket.create_connection((host, int(port)), timeout=30) as silent:
+            t0 = time.monotonic()
+            try:
+                while silent.recv(1 << 16):  # libzmq sends its own greeting first
+                    pass
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - t0 < 15, "a silent connection was kept past its handshake interval"
+    finally:
+        endpoint.close()
 
 
 def test_forged_ack_never_completes_a_send(context):

@@ -18,6 +18,8 @@ log = logging.getLogger("wsync.zmq")
 _POLLIN = int(zmq.POLLIN)
 #: a heartbeat timeout that never ends a connection (the largest ZMQ takes)
 _NEVER_MS = 2**31 - 1
+#: how long a connection may take over ZMTP's handshake: ``heartbeat``, within these bounds (ms)
+_HANDSHAKE_MIN_MS, _HANDSHAKE_MAX_MS = 2000, 10000
 
 
 def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int, *,
@@ -39,6 +41,9 @@ def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm:
     sock.setsockopt(zmq.SNDHWM, sndhwm)
     sock.setsockopt(zmq.HEARTBEAT_IVL, min(1000, max(50, timeout_ms // 4)))
     sock.setsockopt(zmq.TCP_MAXRT, timeout_ms)
+    # a connection that has not finished ZMTP's handshake (its greeting, CURVE) by then is closed:
+    # libzmq's 30 s let a local flood of silent connections hold every descriptor of the process
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(_HANDSHAKE_MIN_MS, min(timeout_ms, _HANDSHAKE_MAX_MS)))
     if receives_payloads:  # the sender's side times this worker out: its pings ask for it
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _NEVER_MS)
         sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500) // 100 * 100)
