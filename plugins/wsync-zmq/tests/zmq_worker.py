@@ -2,7 +2,8 @@
 
     python zmq_worker.py '{"worker": 0, "options": {...}, "width": 8, "timeout": 30}'
 
-A stdin line ``{"pause": seconds}`` makes it stop calling ``receive()`` for that long.
+A stdin line ``{"pause": seconds}`` makes it stop calling ``receive()`` for that long (the
+next ``receive()`` then waits up to 5 s for the newest version).
 Prints one JSON line per applied version, ``{"v": version, "digest": sha256 of the weights}``,
 and ``{"error": "..."}`` if connecting or receiving fails.
 """
@@ -48,9 +49,10 @@ def main(config: dict) -> int:
         scheme.init_on_receiver(model=model, worker_idx=config["worker"])
         scheme.connect()
         say(v=scheme.version, digest=digest(model))
+        wait = 0.02
         while True:
             try:
-                v = scheme.receive(timeout=0.02)
+                v = scheme.receive(timeout=wait)
             except WsyncError as exc:
                 say(error=f"{type(exc).__name__}: {exc}")
                 continue
@@ -61,6 +63,10 @@ def main(config: dict) -> int:
                 if not line:
                     return 0
                 time.sleep(json.loads(line).get("pause", 0.0))  # a slow worker: no receive() meanwhile
+                wait = 5.0  # back from it, the next receive() waits for the newest (a 20 ms one may
+                # take what arrived while it was away, as the endpoint contract lets it)
+            else:
+                wait = 0.02
     except WsyncError as exc:
         say(error=f"{type(exc).__name__}: {exc}")
         return 1
