@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PROJECTS))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
-	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q --no-deps $(TORCH)  # (its dependencies come with the next line)
 	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(PROJECTS))
 	$(BIN)/python -c "import torch, tensordict, wsync_core; print('torch', torch.__version__, 'tensordict', tensordict.__version__)"
 	touch $@
