@@ -201,15 +201,16 @@ def test_atomic_a_ctrl_c_during_a_receive_lands_once_the_version_is_whole_number
             return written
 
         monkeypatch.setattr(Layout, "unpack", write_then_ctrl_c)
-        handler = signal.getsignal(signal.SIGINT)
+        # Python's own handler, as a program started in a terminal has: a run started in the
+        # background (``cmd &`` in a script) inherits SIGINT ignored, and Python then sets none
+        # (a Ctrl-C is then nothing to hold, and receive() rightly applies the version and returns)
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            got: object = receiver.receive(timeout=10.0)
-        except KeyboardInterrupt:
-            got = KeyboardInterrupt
+            with pytest.raises(KeyboardInterrupt):
+                receiver.receive(timeout=10.0)
+        finally:
+            signal.signal(signal.SIGINT, handler)
         monkeypatch.undo()
-        # (it failed once in a whole run, at load, unexplained: say what happened if it does again)
-        assert got is KeyboardInterrupt, (f"receive() returned {got!r}, wrote={wrote}, version {receiver.version}, "
-                                          f"SIGINT handler before {handler!r}, now {signal.getsignal(signal.SIGINT)!r}")
         assert wrote and receiver.version == 1 and same(model, local)
         assert handle.wait(10.0) == 1
     finally:
