@@ -667,7 +667,8 @@ def test_a_lazy_module_not_yet_initialized_is_refused_naming_its_parameters() ->
         with pytest.raises(TypeError, match=r"'0.weight', '0.bias' of the model are not initialized yet.*forward pass"):
             init(WeightSyncScheme("inproc"))
     model(torch.zeros(1, 3))  # materialized: it syncs like any module
-    sender, _, receiver, local = connected_pair("inproc", model, nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    sender, _, receiver, local = connected_pair("inproc", model, plain)
     try:
         assert same(model, local)
     finally:

@@ -318,7 +318,8 @@ class Layout:
             try:
                 for e, t, mine in zip(self._filled, tensors, alone):
                     view = self.view(buffer, e)
-                    if mine and _adoptable(t, buffer) and t.stride() == view.stride():  # (keeps channels_last, a transpose)
+                    # (a target whose strides differ, channels_last or a transpose, keeps them: copied into)
+                    if mine and _adoptable(t, buffer) and t.stride() == view.stride():
                         old = t.data
                         try:
                             t.data = view

@@ -366,7 +366,8 @@ class DistributedSender(SenderBase):
                 if count is not None and count != lane.beats:
                     lane.beats, lane.seen = count, now
                 elif now - lane.seen > self.cfg.heartbeat_timeout:
-                    what = "no heartbeat" if count is not None else f"its heartbeat key holds {bytes(value)[:40]!r}, no count,"
+                    what = ("no heartbeat" if count is not None
+                            else f"its heartbeat key holds {bytes(value)[:40]!r}, no count,")
                     self._lose(lane, f"{what} for {now - lane.seen:.1f} s (heartbeat_timeout="
                                      f"{self.cfg.heartbeat_timeout:g}); the worker died, hangs or is cut off", store)
 
