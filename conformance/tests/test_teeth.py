@@ -38,7 +38,7 @@ def _command(args: list[str], out: Path) -> list[str]:
 
 #: broken transports each run through ``wsync conformance`` (the command's own behaviour is under
 #: test: a hang past every interruption, the run going on) or that wait out long timeouts; the
-#: rest run as test classes of one pytest process beside them, as a third party's tests would
+#: rest run as test classes of two pytest processes beside them, as a third party's tests would
 BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "CrashesInC", "DeadlineIgnored", "BlockingPublish", "HoardingSender",
               "IgnoresRestart", "NoReconnect", "DroppedAck")
 #: the reference transport, run through the whole suite by the command first, beside the broken ones
