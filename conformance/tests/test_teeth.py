@@ -87,8 +87,8 @@ def _batch_results(path: Path, names: list[str]) -> dict[str, dict]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """``inproc`` and the docs' smallest transport through the whole suite, and every broken transport
     through the tests that must catch it (``wsync_broken.SELECT``), by name: those two and the
-    ``BY_COMMAND`` ones through the command, a few at a time, longest first, beside one pytest
-    process that holds the rest."""
+    ``BY_COMMAND`` ones through the command, a few at a time, longest first, beside two pytest
+    processes that hold the rest."""
     docs = tmp_path_factory.mktemp("docs")
     page = (HERE.parent.parent / "docs" / "writing-a-transport.md").read_text()
     (docs / "mailbox_doc.py").write_text(_RUNNABLE.findall(page)[0])
