@@ -60,7 +60,7 @@ pieces = st.lists(st.one_of(st.binary(max_size=64), hostile_json(),
                                       st.integers(0, 255), st.binary(max_size=64))), max_size=8)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(pieces)
 def test_any_bytes_give_bounded_frames_or_transport_error(chunks: list[bytes]) -> None:
     reader = FRAMING.reader("peer")
