@@ -76,7 +76,10 @@ def test_wrong_secret_is_refused(server) -> None:
     link = AckLink(_address(srv, secret=bytes(16)), 1, uuid.uuid4().hex, 5.0)
     link.send(b"forged")
     link.sock.settimeout(10.0)
-    assert link.sock.recv(1) == b""  # the server closed the connection
+    try:  # the server closed the connection: an end of file, or a reset where our bytes were unread
+        assert link.sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
     link.close()
     assert _quiet(inbox) == []  # no hello, no ack handed on
     _served(srv, inbox)
