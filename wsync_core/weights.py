@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import torch
 from torch import nn
 
+from .layout import clip_keys
+
 if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a worker seconds (torch._dynamo)
     from tensordict import TensorDictBase
 
@@ -127,8 +129,7 @@ def _refuse_uninitialized(items: list[tuple[str, torch.Tensor | None]]) -> None:
     """Raise TypeError naming the parameters and buffers a lazy module has not made yet, if any."""
     lazy = [k for k, v in items if isinstance(v, nn.parameter.UninitializedTensorMixin)]
     if lazy:
-        shown = ", ".join(repr(k) for k in lazy[:8]) + (f" and {len(lazy) - 8} more" if len(lazy) > 8 else "")
-        raise TypeError(f"{shown} of the model are not initialized yet (a lazy module such as nn.LazyLinear "
+        raise TypeError(f"{clip_keys(lazy)} of the model are not initialized yet (a lazy module such as nn.LazyLinear "
                         f"has no shape until its first forward pass): run one forward pass on a sample input, "
                         f"or build the module with its sizes, before giving it to wsync")
 
