@@ -495,7 +495,17 @@ class RpcReceiver(ReceiverBase):
         return fut
 
     def ack(self, data: bytes) -> None:
+        """Sends the ack once the previous one has landed: RPC runs handlers on a thread pool, so two
+        calls in flight at once can run in either order (in steady state the previous ack landed
+        an update ago and this waits for nothing). Raises TransportError if the previous ack failed."""
         self.check_open()
+        last, self.last_ack = self.last_ack, None
+        if last is not None:
+            try:
+                last.wait()  # bounded by rpc_timeout
+            except RuntimeError as exc:
+                raise TransportError(f"rpc: {worker_name(self.worker)}'s previous ack did not reach {SENDER}: "
+                                     f"{_brief(exc)}") from exc
         self.last_ack = self._tell(_ACK, bytes(data))
 
     def stop(self) -> None:
@@ -504,7 +514,7 @@ class RpcReceiver(ReceiverBase):
         if agent is None:
             return
         if agent.started:
-            if self.last_ack is not None:  # RPC runs handlers on a pool: the last ack must land before the goodbye
+            if self.last_ack is not None:  # the last ack lands before the goodbye, for the same reason
                 try:
                     self.last_ack.wait()
                 except RuntimeError as exc:
