@@ -401,8 +401,9 @@ def test_live_dead_worker_fails_fast(cluster):
         c.sender.send(timeout=20)
     assert time.monotonic() - t0 < 10  # a worker known to be gone is not waited for
     assert info.value.workers == [0]
-    # it is not a matter of time: the message says so (it read "did not apply version 1 within 20 s")
-    assert str(info.value) == "workers [0] disconnected before applying version 1; updated: [1]"
+    # it is not a matter of time: the message says so (it read "did not apply version 1 within 20 s"),
+    # and how the transport knows (the Left's reason, which only the log held)
+    assert str(info.value) == "workers [0] disconnected before applying version 1; worker 0: receiver shut down; updated: [1]"
     assert c.receivers[1].scheme.version == 1
 
 
@@ -517,6 +518,32 @@ def test_reports_reach_listeners(cluster):
     with pytest.raises(WorkerTimeoutError):
         c.sender.send(timeout=0.3)
     assert seen[-1].missing == [0]
+
+
+def test_a_report_listener_that_raises_is_heard_from_the_users_call_and_loses_nothing(cluster):
+    """A listener's error comes out of the user's call on the sender, once; wsync's service thread
+    (which may have run the listener) goes on serving, and the other listeners still get the report."""
+    c = cluster(n=2, sync=False)
+    seen = []
+
+    def fails(report):
+        raise RuntimeError(f"listener failed on version {report.version}")
+
+    c.sender.add_report_listener(fails)
+    c.sender.add_report_listener(seen.append)
+    bump(c.model)
+    handle = c.sender.send_async()
+    wait_for(lambda: seen)  # the service thread collected the acks and ran both listeners
+    assert seen[-1].version == handle.version and seen[-1].complete
+    assert any(t.name == "wsync-sender-service" and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match=f"listener failed on version {handle.version}"):
+        handle.wait(5)
+    assert handle.done() and handle.wait(5) == handle.version  # raised once
+    bump(c.model)
+    with pytest.raises(RuntimeError, match="listener failed on version 2"):  # whichever thread ran it
+        c.sender.send_async().wait(10)
+    assert [r.version for r in seen] == [1, 2]
+    assert all(r.scheme.version == 2 for r in c.receivers)
 
 
 # -- fork ------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ class SendHandle:
         if sender.lock.acquire(blocking=False):
             try:
                 sender.serve_once()
+                sender.raise_listener_error()
             finally:
                 sender.lock.release()
         return sender.applied(self.version, self.targets)
@@ -112,10 +113,13 @@ class Sender:
         self.closing = False
         self.last_report: SendReport | None = None
         self.listeners: list[Callable[[SendReport], None]] = []
+        #: the first error a report listener raised, until a call of the user's raises it
+        self._listener_error: Exception | None = None
         self._latest: tuple[Buffer, Header] | None = None  # what a joiner gets: the buffer as published
         self._acked = {w: -1 for w in range(num_workers)}
         self._joined: set[int] = set()
         self._left: set[int] = set()
+        self._left_why: dict[int, str] = {}  # how the transport knows each worker in _left left
         self._rejected: dict[int, Ack] = {}
         #: each worker's last refusal since it last applied a version (named when it times out)
         self._refusals: dict[int, Ack] = {}
@@ -181,7 +185,9 @@ class Sender:
     def send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
                    wait: Callable[[SendHandle, float | None], None], keys: Iterable[str] | None = None) -> SendHandle:
         """Snapshot ``weights`` (default: the source) and publish it as the next version (with
-        ``keys``: the previous version with those tensors replaced)."""
+        ``keys``: the previous version with those tensors replaced). Raises first the error a
+        report listener raised since the last call, if any (nothing is sent then)."""
+        self.raise_listener_error()
         targets = self._targets(worker_ids)
         chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
@@ -478,6 +484,7 @@ class Sender:
             self._deliver([w])
         elif isinstance(event, Left):
             log.info("worker %d left: %s", w, event.reason)
+            self._left_why[w] = str(event.reason)
             self._joined.discard(w)
             self._holds.pop(w, None)
             self._left.add(w)
@@ -522,8 +529,23 @@ class Sender:
                             self._notify(report)
 
     def _notify(self, report: SendReport) -> None:
+        """Call the report listeners. An error one raises is kept for the user's call
+        (``raise_listener_error``): the events polled with the report are still handled, and
+        wsync's service thread, which may be the caller, goes on serving."""
         for listener in self.listeners:
-            listener(report)
+            try:
+                listener(report)
+            except Exception as exc:  # raised from the user's call, not from wsync's thread
+                if self._listener_error is None:
+                    self._listener_error = exc
+                else:
+                    self._listener_error.add_note(f"(a report listener then raised {exc!r} too)")
+
+    def raise_listener_error(self) -> None:
+        """Raise the first error a report listener raised since this was last called, if any."""
+        exc, self._listener_error = self._listener_error, None
+        if exc is not None:
+            raise exc
 
     def take_turn(self) -> None:
         """Take ``lock`` for a call (the caller releases it); a wait for acks that holds it in another
@@ -567,7 +589,9 @@ class Sender:
 
     def finish(self, version: int, targets: list[int], deadline: Deadline) -> None:
         """Wait until every target applied ``version``. Raises the error a worker reported for it,
-        or WorkerTimeoutError naming the targets that did not apply it by the deadline."""
+        or WorkerTimeoutError naming the targets that did not apply it by the deadline, or else the
+        error a report listener raised (before the wait, or during it)."""
+        self.raise_listener_error()
         missing, rejected = self.outstanding(version, targets, deadline)
         entry = self._pending.get(version)
         if entry is not None:
@@ -584,16 +608,18 @@ class Sender:
         if missing:
             gone = [w for w in missing if w in self._left]
             updated = [w for w in targets if w not in missing and w not in rejected]
+            why = "".join(f"; worker {w}: {self._left_why[w][:300]}" for w in gone if self._left_why.get(w))
             if gone == missing and not deadline.expired():  # no wait for them: it is not a matter of time
-                raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}; "
+                raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}{why}; "
                                          f"updated: {updated}", missing)
-            detail = f"; workers {gone} disconnected" if gone else ""
+            detail = f"; workers {gone} disconnected{why}" if gone else ""
             for w in missing:  # a worker whose last word was a refusal: say it (it may be why)
                 if (before := self._refusals.get(w)) is not None:
                     detail += f"; worker {w} last rejected version {before.version}: {before.error[:300]}"
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
                 f"updated: {updated}", missing)
+        self.raise_listener_error()
 
     def _watch_connect(self, watch: Callable[[list[int]], Mapping[int, str]], deadline: Deadline) -> None:
         """Wait for version 0's acks in short slices, asking ``watch`` about the missing workers
