@@ -209,6 +209,19 @@ def test_wake_ends_a_wait_in_another_thread_and_every_later_one() -> None:
     s.close()
 
 
+def test_wake_ends_a_wait_for_a_free_buffer_with_transport_error_not_a_timeout() -> None:
+    s = Sender(n=1, max_buffers=2)
+    s.open(Deadline(1))
+    for _ in range(2):  # both buffers held by worker 0
+        s.publish(s.acquire(Deadline(0)), b"h", [0])
+    threading.Timer(0.05, s.wake).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="woken while waiting for a free buffer: the scheme is shutting down"):
+        s.acquire(Deadline(60))
+    assert time.monotonic() - t0 < 20  # (it read "still held by workers [0] after 60 s", at once)
+    s.close()
+
+
 class Probing(Receiver):
     """A receiver whose sender published deliveries up to ``published``; ``newest_published``
     answers that and lets ``in_flight`` (the numbers not yet put) arrive from another thread."""

@@ -173,7 +173,7 @@ class SenderBase(EndpointBase, SenderEndpoint):
         """A buffer neither published last nor held; a new one while the pool has room.
 
         Raises WorkerTimeoutError naming the holders if none frees up by the deadline, TransportError
-        if closed or the allocation fails.
+        if closed, woken (``wake``: the scheme is shutting down) or the allocation fails.
         """
         with self.cond:
             self.check_open()
@@ -192,6 +192,8 @@ class SenderBase(EndpointBase, SenderEndpoint):
             if self.wait_until(lambda: free() is not None, deadline):
                 return free()
             self.check_open()
+            if self._woken:
+                raise TransportError(f"{self.what}: woken while waiting for a free buffer: the scheme is shutting down")
             holders = sorted({w for h in self._holders for w in h})
             raise WorkerTimeoutError(f"{self.what}: all {len(self.buffers)} buffers are still held by workers "
                                      f"{holders} after {deadline.timeout:g} s", holders)

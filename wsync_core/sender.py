@@ -208,8 +208,15 @@ class Sender:
 
     def _acquire(self, deadline: Deadline) -> Buffer:
         """The endpoint's ``acquire()``, checked: a buffer the layout can be packed into (a typed copy
-        to a misaligned address can crash the process). Raises TransportError naming the transport."""
-        buffer = self.endpoint.acquire(deadline)
+        to a misaligned address can crash the process). Raises TransportError naming the transport,
+        StateError if ``shutdown()`` from another thread ended the wait for a buffer."""
+        try:
+            buffer = self.endpoint.acquire(deadline)
+        except WsyncError:
+            if self.closing:
+                raise StateError("send() was interrupted while waiting for a free buffer: shutdown() was called "
+                                 "from another thread; build a new WeightSyncScheme") from None
+            raise
         t = buffer.tensor
         if (not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous()
                 or t.numel() < self.layout.nbytes or t.data_ptr() % ALIGN):
