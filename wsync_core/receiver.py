@@ -120,9 +120,10 @@ class Receiver:
         while self.receive(deadline) is None:
             self.check_closing("connect()")
             if deadline.expired():
+                why = self.endpoint.last_error()
                 raise WorkerTimeoutError(
-                    f"worker {self.worker_idx} got no weights from the sender within {deadline.timeout:g} s; "
-                    f"is the sender connecting with the same transport options?", [])
+                    f"worker {self.worker_idx} got no weights from the sender within {deadline.timeout:g} s"
+                    + (f": {why}" if why else "; is the sender connecting with the same transport options?"), [])
 
     def close(self) -> None:
         """Give the model its own copy of what it views, give back what fell due, close the endpoint."""

@@ -701,11 +701,16 @@ class StreamReceiver(_Loop, ReceiverBase):
         self._broken_delay = _BROKEN_DELAY_S  # the wait before connecting again after one
         self._probes = 0  # the number of the last probe sent
         self._answered = 0  # the number of the last probe the sender answered
+        self._unreached: str | None = None  # why the last attempt to reach the sender failed
 
     def connect(self, timeout: float) -> Stream:
         """A stream connected to the sender, within about ``timeout`` seconds; raise OSError if
         the sender cannot be reached (it is tried again), TransportError if it never can be."""
         raise NotImplementedError(f"{type(self).__qualname__} must implement connect()")
+
+    def last_error(self) -> str | None:
+        """The error of the last failed attempt to reach the sender, until one succeeds."""
+        return self._unreached
 
     def start(self, deadline: Deadline) -> None:
         self.clear_failure()
@@ -767,6 +772,7 @@ class StreamReceiver(_Loop, ReceiverBase):
                 stream = self.connect(min(2.0, self.heartbeat))
             except OSError as exc:
                 log.debug("%s: cannot reach the sender yet: %s", self.what, exc)
+                self._unreached = f"{self.what}: cannot reach the sender: {exc}"
                 with self.cond:
                     self.cond.wait(delay)
                 delay = min(delay * 2, 0.5)
@@ -775,6 +781,7 @@ class StreamReceiver(_Loop, ReceiverBase):
                 self.fail(str(exc))
                 return
             delay = 0.01
+            self._unreached = None
             reason = self._serve(stream)
             if reason is not None:
                 self.fail(reason)

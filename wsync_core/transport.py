@@ -267,6 +267,11 @@ class ReceiverEndpoint(ABC):
     def ack(self, data: bytes) -> None:
         """Send ``data`` to the sender (it sees ``Acked(worker_idx, data)``)."""
 
+    def last_error(self) -> str | None:
+        """Why nothing has come from the sender, if the endpoint knows (e.g. it cannot reach the
+        sender, and the error that says why); None otherwise. ``connect()`` quotes it when it times out."""
+        return None
+
     def wake(self) -> None:
         """Make a ``recv`` waiting in another thread, and every later one, return None at once:
         the scheme is shutting down. Called from any thread, before ``close``. A transport whose

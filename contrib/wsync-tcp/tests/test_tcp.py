@@ -398,3 +398,19 @@ def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> Non
     finally:
         for s in (*receivers, scheme):
             s.shutdown()
+
+
+def test_a_worker_that_cannot_reach_the_sender_is_told_why_when_connect_times_out() -> None:
+    """No one listens on the port: connect() says so and quotes the socket's error, not only that
+    no weights came (the cause was in a debug log line)."""
+    from wsync_core import free_port
+
+    port = free_port("127.0.0.1")
+    worker = WeightSyncScheme(TcpTransport(port=port), timeout=1.0)
+    worker.init_on_receiver(model=make_model(0), worker_idx=0)
+    try:
+        with pytest.raises(WorkerTimeoutError, match=rf"tcp worker 0 of 127\.0\.0\.1:{port}: cannot reach the "
+                                                     rf"sender: .*Connection refused"):
+            worker.connect()
+    finally:
+        worker.shutdown()
