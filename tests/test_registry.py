@@ -53,6 +53,14 @@ def wsync_register_commands(register):
     register("hello", "say hello", configure, lambda args: print(f"hello {args.who}") or 3)
 '''
 BROKEN_IMPORT = "import no_such_module_anywhere\n"
+BROKEN_COMMANDS = '''
+from wsync_core import hookimpl
+
+
+@hookimpl
+def wsync_register_commands(register):
+    raise RuntimeError("the greet command needs a config file")
+'''
 BROKEN_HOOK = '''
 from wsync_core import hookimpl
 
@@ -84,13 +92,14 @@ def _dist(root: Path, name: str, module: str, source: str) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """A directory holding four real, pip-installed plugin distributions."""
+    """A directory holding five real, pip-installed plugin distributions."""
     root = tmp_path_factory.mktemp("plugins")
     target = root / "site"
     dists = [_dist(root, "wsync-echo", "wsync_echo", GOOD),
              _dist(root, "wsync-brokenimport", "wsync_brokenimport", BROKEN_IMPORT),
              _dist(root, "wsync-brokenhook", "wsync_brokenhook", BROKEN_HOOK),
-             _dist(root, "wsync-old", "wsync_old", OLD_INTERFACE)]
+             _dist(root, "wsync-old", "wsync_old", OLD_INTERFACE),
+             _dist(root, "wsync-greet", "wsync_greet", BROKEN_COMMANDS)]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), *map(str, dists)], check=True, timeout=300)
     return target
@@ -131,6 +140,11 @@ def test_plugins_add_commands_and_unknown_ones_say_how_to_get_them(site):
     assert out.returncode == 2 and "hello" in out.stderr, out.stderr
     assert "no plugin of wsync's repository provides a command 'nosuchcommand'" in out.stderr
     assert "pip install" not in out.stderr  # (no name on a package index that nobody owns)
+    # a plugin that failed is named with its error: it may be the one that provides the command
+    out = wsync(site, "greet")
+    assert out.returncode == 2 and "Installed plugins that failed to load" in out.stderr, out.stderr
+    assert "'greet': RuntimeError: the greet command needs a config file" in out.stderr
+    assert "'brokenimport': ModuleNotFoundError: No module named 'no_such_module_anywhere'" in out.stderr
     assert install_hint("bench", "command").endswith("pip install -e benchmarks (from a clone of it)")
 
 

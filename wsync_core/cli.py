@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .registry import install_hint, list_commands, list_transports
+from .registry import failed_plugins, install_hint, list_commands, list_transports
 
 __all__ = ["main"]
 
@@ -49,8 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     known = {"transports", *list_commands()}
     if argv and not argv[0].startswith("-") and argv[0] not in known:
+        failed = "".join(f"\n  {name!r}: {error}" for name, error in sorted(failed_plugins().items()))
         print(f"wsync: no command {argv[0]!r}; installed: {', '.join(sorted(known))}. Plugins add commands: "
-              f"{install_hint(argv[0], 'command')}.", file=sys.stderr)
+              f"{install_hint(argv[0], 'command')}."
+              + (f"\nInstalled plugins that failed to load (one may be what provides it):{failed}" if failed else ""),
+              file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     return args.func(args)

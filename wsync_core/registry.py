@@ -23,7 +23,7 @@ from .errors import UnknownTransportError
 from .transport import Transport, check_interface, check_options
 
 __all__ = ["TransportInfo", "Command", "list_transports", "get_transport", "resolve_transport", "list_commands",
-           "install_hint", "ENTRY_POINT_GROUP"]
+           "failed_plugins", "install_hint", "ENTRY_POINT_GROUP"]
 
 log = logging.getLogger("wsync")
 
@@ -72,6 +72,8 @@ class _Loaded:
     classes: dict[str, type[Transport]]
     infos: dict[str, TransportInfo]
     commands: dict[str, Command] = field(default_factory=dict)
+    #: plugin name -> the error it failed to load or register with
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 _cache: _Loaded | None = None
@@ -92,6 +94,7 @@ def _load() -> _Loaded:
     classes: dict[str, type[Transport]] = {}
     infos: dict[str, TransportInfo] = {}
     origin: dict[str, tuple[str | None, str | None]] = {}  # plugin name -> (distribution, version)
+    failed: dict[str, str] = {}
 
     from . import __version__
 
@@ -109,7 +112,8 @@ def _load() -> _Loaded:
             pm.register(module, name=ep.name)
         except Exception as exc:  # a broken plugin must not break the others
             log.warning("wsync plugin %r (%s) failed to load: %s", ep.name, dist, exc)
-            infos[ep.name] = TransportInfo(ep.name, dist, dver, error=f"{type(exc).__name__}: {exc}", plugin=ep.name)
+            failed[ep.name] = f"{type(exc).__name__}: {exc}"
+            infos[ep.name] = TransportInfo(ep.name, dist, dver, error=failed[ep.name], plugin=ep.name)
             continue
         origin[ep.name] = (dist, dver)
 
@@ -135,8 +139,8 @@ def _load() -> _Loaded:
             impl.function(**{arg: register for arg in impl.argnames})
         except Exception as exc:  # a broken plugin must not break the others
             log.warning("wsync plugin %r failed to register its transports: %s", plugin, exc)
-            infos.setdefault(plugin, TransportInfo(plugin, dist, dver, error=f"{type(exc).__name__}: {exc}",
-                                                   plugin=plugin))
+            failed[plugin] = f"{type(exc).__name__}: {exc}"
+            infos.setdefault(plugin, TransportInfo(plugin, dist, dver, error=failed[plugin], plugin=plugin))
     commands: dict[str, Command] = {}
     for impl in pm.hook.wsync_register_commands.get_hookimpls():
         plugin = impl.plugin_name
@@ -153,7 +157,8 @@ def _load() -> _Loaded:
             impl.function(**{arg: add for arg in impl.argnames})
         except Exception as exc:  # a broken plugin must not break the others
             log.warning("wsync plugin %r failed to register its commands: %s", plugin, exc)
-    _cache = _Loaded(key, classes, infos, commands)
+            failed[plugin] = f"{type(exc).__name__}: {exc}"
+    _cache = _Loaded(key, classes, infos, commands, failed)
     return _cache
 
 
@@ -192,6 +197,11 @@ def install_hint(name: str, kind: str) -> str:
 def list_commands() -> dict[str, Command]:
     """The ``wsync`` subcommands installed plugins registered, by name."""
     return dict(_load().commands)
+
+
+def failed_plugins() -> dict[str, str]:
+    """Installed plugins that failed to load or to register what they provide: name -> the error."""
+    return dict(_load().failed)
 
 
 def resolve_transport(transport: str | Transport, options: dict[str, Any]) -> Transport:
