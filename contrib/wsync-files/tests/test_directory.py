@@ -86,3 +86,27 @@ def test_a_new_sender_removes_what_a_killed_one_was_writing(tmp_path) -> None:
         assert ".tmp-ack-0-0123abcd" in names
     finally:
         trainer.shutdown()
+
+
+def test_endpoints_refuse_calls_before_open_and_after_close_and_write_nothing(tmp_path) -> None:
+    """acquire() before open() raised IndexError; publish() and ack() after close() wrote files."""
+    from wsync_core import Deadline, Layout, ReceiverContext, SenderContext
+    from wsync_files import FilesTransport
+
+    layout = Layout.of({"w": torch.zeros(16)})
+    transport = FilesTransport(directory=str(tmp_path))
+    sender = transport.sender(SenderContext(1, layout, "m", torch.device("cpu")))
+    receiver = transport.receiver(ReceiverContext(0, layout, "m", torch.device("cpu")))
+    with pytest.raises(TransportError, match="files sender on .* is not open"):
+        sender.acquire(Deadline(0))
+    sender.open(Deadline(5))
+    receiver.open(Deadline(5))
+    buffer = sender.acquire(Deadline(0))
+    sender.close()
+    receiver.close()
+    before = sorted(os.listdir(tmp_path))
+    for call in (lambda: sender.acquire(Deadline(0)), lambda: sender.publish(buffer, b"h", [0]),
+                 lambda: sender.poll(Deadline(0)), lambda: receiver.recv(Deadline(0)), lambda: receiver.ack(b"a")):
+        with pytest.raises(TransportError, match="is not open"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == before

@@ -173,6 +173,13 @@ def _alive(owner: bytes) -> bool:
         return False
 
 
+def _check_open(opened: bool, what: str) -> None:
+    """Raise TransportError unless the endpoint is open (the core may call it from a send() that
+    shutdown() in another thread overtook: it must then do nothing)."""
+    if not opened:
+        raise TransportError(f"{what} is not open (closed, or not opened yet)")
+
+
 class _Sender(SenderEndpoint):
     def __init__(self, transport: FilesTransport, ctx: SenderContext) -> None:
         self.dir = transport.options["directory"]
@@ -218,11 +225,13 @@ class _Sender(SenderEndpoint):
         self.buffers = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
     def acquire(self, deadline: Deadline) -> Buffer:
+        _check_open(self.opened, f"files sender on {self.dir}")
         slot = 1 if self.latest == 0 else 0  # never the buffer published last
         self.written.pop(slot, None)
         return self.buffers[slot]
 
     def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        _check_open(self.opened, f"files sender on {self.dir}")
         slot = buffer.index  # 0 or 1: which of self.buffers
         name = self.written.get(slot)
         if name is None:
@@ -242,6 +251,7 @@ class _Sender(SenderEndpoint):
         self.files = [f for f in self.files if f in keep]
 
     def poll(self, deadline: Deadline) -> list[Event]:
+        _check_open(self.opened, f"files sender on {self.dir}")
         return _poll(deadline, self._scan, self.woken) or []
 
     def wake(self) -> None:
@@ -317,6 +327,7 @@ class _Receiver(ReceiverEndpoint):
         self.opened = True
 
     def recv(self, deadline: Deadline) -> Delivery | None:
+        _check_open(self.opened, f"files worker {self.worker} on {self.dir}")
         return _poll(deadline, self._take, self.woken)
 
     def wake(self) -> None:
@@ -352,6 +363,7 @@ class _Receiver(ReceiverEndpoint):
         return Delivery(header, buf, release=lambda: self.free.append(buf))
 
     def ack(self, data: bytes) -> None:
+        _check_open(self.opened, f"files worker {self.worker} on {self.dir}")
         self.acks += 1
         _write(self.dir, f"ack-{self.worker}-{self.acks:020d}", data)
 
