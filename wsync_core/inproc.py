@@ -7,7 +7,6 @@ buffer directly (zero-copy): the core never writes a buffer again once published
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import threading
@@ -42,11 +41,6 @@ _table_lock = threading.Lock()
 _channels: dict[str, _Channel] = {}
 #: the default channel name: the process that made it, and a unique part
 _DEFAULT_NAME = re.compile(r"inproc-([0-9]+)-[0-9a-f]{32}")
-
-
-def _wait_s(deadline: Deadline) -> float | None:
-    left = deadline.remaining()
-    return None if math.isinf(left) else left
 
 
 class _Channel:
@@ -122,7 +116,7 @@ class _Sender(SenderEndpoint):
     def poll(self, deadline: Deadline) -> list[Event]:
         channel = self.channel
         with channel.cond:
-            channel.cond.wait_for(lambda: channel.events or self.woken, _wait_s(deadline))
+            channel.cond.wait_for(lambda: channel.events or self.woken, deadline.seconds())
             events = list(channel.events)
             channel.events.clear()
         return events
@@ -162,7 +156,7 @@ class _Receiver(ReceiverEndpoint):
     def recv(self, deadline: Deadline) -> Delivery | None:
         channel = self.channel
         with channel.cond:
-            channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken, _wait_s(deadline))
+            channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken, deadline.seconds())
             item = None if self.woken else channel.mailbox.pop(self.worker, None)
         return None if item is None else Delivery(item[0], item[1])
 

@@ -307,10 +307,11 @@ class Transport(ABC):
     def __init__(self, **options: Any) -> None:
         self.options: dict[str, Any] = options
 
-    #: whether the core should add XXH3-64 checksums of every payload to its header and check them on
-    #: arrival (for transports whose bytes cross something that can damage them)
     @property
     def checksum(self) -> bool:
+        """Whether the core adds XXH3-64 checksums of every payload to its header and checks them on
+        arrival (for transports whose bytes cross something that can damage them): the ``checksum``
+        option, off where the transport has none."""
         return bool(self.options.get("checksum", False))
 
     @abstractmethod
@@ -403,7 +404,7 @@ def zero_copy_for(option: bool | None, ctx: ReceiverContext) -> bool:
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address) is this machine's loopback, whose bytes never
-    cross a wire: a network transport's ``checksum`` option defaults to off there, on elsewhere."""
+    cross a wire (rpc and distributed default their ``checksum`` option to off there, on elsewhere)."""
     if host.lower() == "localhost":
         return True
     try:

@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from wsync_core import free_port
+
 __all__ = ["RayNode", "ray_executable", "session_members"]
 
 
@@ -30,12 +32,6 @@ def ray_executable() -> str:
     """The ``ray`` command of this Python environment."""
     here = Path(sys.executable).with_name("ray")
     return str(here) if here.exists() else (shutil.which("ray") or "ray")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayNode:
@@ -60,19 +56,19 @@ class RayNode:
         self.node_ip, self.is_head = node_ip, head is None
         self.temp_dir = tempfile.mkdtemp(prefix="wsray-", dir="/tmp")
         ports = {} if prefix else {  # in a namespace of its own a node cannot collide with another one
-            "--ray-client-server-port": _free_port(node_ip), "--dashboard-agent-listen-port": _free_port(node_ip),
-            "--metrics-export-port": _free_port(node_ip)}
+            "--ray-client-server-port": free_port(node_ip), "--dashboard-agent-listen-port": free_port(node_ip),
+            "--metrics-export-port": free_port(node_ip)}
         argv = [ray_executable(), "start", "--block", "--disable-usage-stats", f"--num-cpus={num_cpus}",
                 f"--object-store-memory={object_store_mib << 20}", f"--node-ip-address={node_ip}",
                 *(f"{k}={v}" for k, v in ports.items())]
         if resources:
             argv.append(f"--resources={resources}")
         if head is None:
-            port = port or (6379 if prefix else _free_port(node_ip))  # a namespace of its own has 6379 free
+            port = port or (6379 if prefix else free_port(node_ip))  # a namespace of its own has 6379 free
             self.address = f"{node_ip}:{port}"
             argv += ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
             if not prefix:
-                argv.append(f"--dashboard-port={_free_port(node_ip)}")
+                argv.append(f"--dashboard-port={free_port(node_ip)}")
         else:
             self.address = head
             argv.append(f"--address={head}")

@@ -9,7 +9,6 @@ picked up by the next call, so nothing is asked twice and nothing is lost.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import pickle
 import queue
@@ -80,11 +79,6 @@ def _mailbox() -> Any:
     if _mailbox_class is None:
         _mailbox_class = ray.remote(num_cpus=0, max_concurrency=10_000)(Mailbox)
     return _mailbox_class
-
-
-def _timeout(deadline: Deadline) -> float | None:
-    left = deadline.remaining()
-    return None if math.isinf(left) else left
 
 
 class _Woken(Exception):
@@ -460,7 +454,7 @@ class RayReceiver(ReceiverEndpoint):
             ["worker", context.get_worker_id()]
         hello = mailbox.hello.remote(self.worker, self.token, watch)
         try:
-            ready, _ = ray.wait([hello], timeout=_timeout(deadline))
+            ready, _ = ray.wait([hello], timeout=deadline.seconds())
             if not ready:
                 raise WorkerTimeoutError(f"the ray sender on channel {self.channel!r} did not answer by the deadline",
                                          [self.worker])

@@ -105,10 +105,6 @@ class TcpTransport(Transport):
         super().__init__(host=host, port=port, advertise=advertise, authkey=authkey,
                          heartbeat=float(heartbeat), checksum=flag("tcp option checksum", checksum))
 
-    @property
-    def checksum(self) -> bool:
-        return bool(self.options["checksum"])
-
     def sender(self, ctx: SenderContext) -> _Sender:
         return _Sender(self.options, ctx)
 

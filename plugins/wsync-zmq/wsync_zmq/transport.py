@@ -144,10 +144,6 @@ class ZmqTransport(Transport):
                          curve_client_key=curve_client_key, curve_client_secret=curve_client_secret,
                          curve_allowed_clients=curve_allowed_clients)
 
-    @property
-    def checksum(self) -> bool:
-        return bool(self.options.get("checksum", True))
-
     def sender(self, ctx: SenderContext) -> SenderEndpoint:
         if self.options["curve_server_key"] and not self.options["curve_server_secret"]:
             raise ValueError("the zmq sender needs curve_server_secret when curve_server_key is set")
