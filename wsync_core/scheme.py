@@ -282,7 +282,7 @@ class WeightSyncScheme:
         Raises SchemaMismatchError if ``weights`` does not match, before anything is sent.
         """
         deadline = self._deadline(timeout)  # one deadline for the snapshot and the acks
-        handle = self._send_async(weights, worker_ids, deadline, keys)
+        handle = self._send_async(weights, worker_ids, deadline, keys, "send")
         if self.sync:
             self._take_turn()
             try:
@@ -295,14 +295,14 @@ class WeightSyncScheme:
     def send_async(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
                    timeout: float | None = None, *, keys: Iterable[str] | None = None) -> SendHandle:
         """Snapshot and send like ``send``, but return at once with a handle to ``wait`` on."""
-        return self._send_async(weights, worker_ids, self._deadline(timeout), keys)
+        return self._send_async(weights, worker_ids, self._deadline(timeout), keys, "send_async")
 
     def _send_async(self, weights: Weights | None, worker_ids: Iterable[int] | None, deadline: Deadline,
-                    keys: Iterable[str] | None = None) -> SendHandle:
+                    keys: Iterable[str] | None, call: str) -> SendHandle:
         self._adopt_fork()
         self._take_turn()
         try:
-            self._expect(_State.SENDER_CONNECTED, "send")
+            self._expect(_State.SENDER_CONNECTED, call)
             return self._role.send_async(weights, worker_ids, deadline, self._wait, keys)
         finally:
             self._lock.release()
