@@ -32,6 +32,7 @@ class Deadline:
         return max(0.0, self._end - time.monotonic())
 
     def expired(self) -> bool:
+        """Whether no time is left."""
         return time.monotonic() >= self._end
 
     def slice(self, at_most: float) -> float:

@@ -289,6 +289,7 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
             self.cond.notify_all()
 
     def clear_failure(self) -> None:
+        """Forget a ``fail()``: ``recv`` waits for deliveries again (e.g. on reopening)."""
         with self.cond:
             self._failure = None
 

@@ -51,6 +51,7 @@ class TransportInfo:
     plugin: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """Its fields as a dict of plain values (``wsync transports --json``)."""
         return asdict(self)
 
 

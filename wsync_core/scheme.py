@@ -115,22 +115,27 @@ class WeightSyncScheme:
 
     @property
     def transport(self) -> Transport:
+        """The Transport object this scheme moves weights with."""
         return self._transport
 
     @property
     def strategy(self) -> str:
+        """How the model's tensors are read: "tensordict" or "state_dict"."""
         return self._config["strategy"]
 
     @property
     def sync(self) -> bool:
+        """Whether ``send()`` waits for every target's ack."""
         return self._config["sync"]
 
     @property
     def timeout(self) -> float:
+        """Seconds ``connect()``, ``send()`` and ``wait()`` take unless given their own."""
         return self._config["timeout"]
 
     @property
     def model_id(self) -> str:
+        """The name both sides give the model; a payload for another is refused."""
         return self._role.model_id if self._role is not None else self._config["model_id"] or "policy"
 
     @property
@@ -146,6 +151,7 @@ class WeightSyncScheme:
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
+        """The dtype floating tensors travel in, or None for the model's own."""
         from .delta import WIRE_DTYPES
 
         wire = self._config.get("wire_dtype")
@@ -159,6 +165,7 @@ class WeightSyncScheme:
 
     @property
     def worker_idx(self) -> int | None:
+        """Receiver: this worker's index; None on a sender or before init_on_receiver()."""
         return self._role.worker_idx if isinstance(self._role, Receiver) else None
 
     @property
@@ -168,6 +175,8 @@ class WeightSyncScheme:
 
     @property
     def state(self) -> str:
+        """Where the scheme is: "new", "initialized as sender", "connected sender", "initialized as
+        receiver", "connected receiver" or "shut down"."""
         return self._state.value
 
     def __repr__(self) -> str:

@@ -142,6 +142,9 @@ def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
 
 @dataclass
 class Frame:
+    """One frame read off a stream: its ``Kind``, the prefix's two numbers, its body, and for
+    DELIVER the payload."""
+
     kind: int
     a: int
     b: int

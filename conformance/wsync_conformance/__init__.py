@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 from .guarantees import CAPABILITY_NAMES, GUARANTEES, GuaranteeViolation, guarantee
 
-__all__ = ["__version__", "TransportSuite", "Target", "parse_options", "GUARANTEES", "CAPABILITY_NAMES",
-           "GuaranteeViolation", "guarantee"]
+__all__ = ["__version__", "TransportSuite", "Target", "GUARANTEES", "CAPABILITY_NAMES", "GuaranteeViolation",
+           "guarantee"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,8 +22,8 @@ def __getattr__(name: str) -> Any:
         from .suite import TransportSuite
 
         return TransportSuite
-    if name in ("Target", "parse_options"):
-        from . import target
+    if name == "Target":
+        from .target import Target
 
-        return getattr(target, name)
+        return Target
     raise AttributeError(f"module 'wsync_conformance' has no attribute {name!r}")

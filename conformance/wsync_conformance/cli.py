@@ -39,8 +39,10 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the suite; print the table; return non-zero on any failure (or if nothing ran)."""
+    from wsync_core.transport import parse_options
+
     from .report import Collector, format_table
-    from .target import Target, parse_options
+    from .target import Target
     from .trust import trusted_runtime
 
     try:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsync_core import Capabilities, Transport, get_transport
-from wsync_core.transport import check_options, parse_options, parse_value
+from wsync_core.transport import check_options
 
-__all__ = ["parse_value", "parse_options", "seconds", "Target"]
+__all__ = ["seconds", "Target"]
 
 
 def seconds(text: str) -> float:
@@ -39,7 +39,8 @@ def _load(spec: str) -> Any:
 
 @dataclass
 class Target:
-    """A transport under test: ``make()`` builds a fresh Transport object for each scheme."""
+    """A transport under test: a registered name, a Transport class or factory (with ``options``), or
+    a Transport object. ``make()`` builds a fresh Transport object for each scheme, unless an object was given."""
 
     transport: str | Transport | type[Transport] | Callable[..., Transport]
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -60,14 +61,17 @@ class Target:
 
     @property
     def cls(self) -> type[Transport]:
+        """The Transport class under test."""
         return type(self.make()) if not isinstance(self._source, type) else self._source
 
     @property
     def capabilities(self) -> Capabilities:
+        """What the transport under test declares it can do."""
         return self.cls.capabilities
 
     @property
     def name(self) -> str:
+        """The transport's registered name (its class name where it has none)."""
         if isinstance(self.transport, str):
             return self.transport
         return getattr(self.cls, "name", self.cls.__name__)

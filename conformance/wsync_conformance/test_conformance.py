@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from wsync_core.transport import parse_options
+
 from wsync_conformance.suite import TransportSuite
-from wsync_conformance.target import Target, parse_options
+from wsync_conformance.target import Target
 
 
 class TestConformance(TransportSuite):
