@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from wsync_core import WeightSyncScheme
+from wsync_core.transport import parse_options
 from wsync_core.weights import flatten
 
 from wsync_conformance import harness, netns
@@ -21,7 +22,7 @@ from wsync_conformance.context import classify
 from wsync_conformance.models import build, digests, fill, random_values, rich_spec, version_spec
 from wsync_conformance.portable import inspect_pickle
 from wsync_conformance.strategies import model_specs
-from wsync_conformance.target import Target, parse_options
+from wsync_conformance.target import Target
 
 
 def test_parse_options() -> None:
