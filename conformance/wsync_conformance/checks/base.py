@@ -18,7 +18,8 @@ from ..guarantees import violated
 from ..target import Target
 from ..watchdog import Watchdog
 
-__all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorough", "expect_connect_refused"]
+__all__ = ["SuiteBase", "SLACK_S", "BUDGET_SLACK_S", "option", "budget", "thorough", "expect_connect_refused",
+           "transport_hook"]
 
 #: slack on top of a timeout before a call counts as not honouring it (the machine may be busy)
 SLACK_S = 20.0
@@ -41,6 +42,18 @@ def expect_connect_refused(worker: Any, timeout: float, what: str) -> None:
                                f"expected WorkerTimeoutError or TransportError")
     if took > timeout + SLACK_S:
         raise violated("live", f"{what}: connect(timeout={timeout:g}) took {took:.1f} s")
+
+
+def transport_hook(suite: Any, wsync: Context, name: str, capability_name: str, signature: str,
+                   what: str) -> Callable[..., Any]:
+    """The hook ``name`` a declared capability needs: from the suite, else a static method of the
+    transport class; fails the test naming the hook and its signature if neither supplies it."""
+    hook = getattr(suite, name, None) or getattr(wsync.target.cls, name, None)
+    if hook is None:
+        pytest.fail(f"transport declares the {capability_name!r} capability but its TransportSuite subclass does not "
+                    f"supply `{name}{signature}` (nor the transport class, as a static method): {what} (see "
+                    f"docs/conformance.md, 'Capabilities')", pytrace=False)
+    return hook
 
 
 def budget(seconds: float = 0.0, timeouts: float = 0.0, short_timeouts: float = 0.0) -> pytest.MarkDecorator:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any
 
 import pytest
 from wsync_core import Deadline, WeightSyncScheme, WorkerTimeoutError
@@ -28,20 +27,10 @@ from ..context import Context
 from ..guarantees import capability, guarantee, violated
 from ..models import build, digests, many_spec, random_values, version_spec
 from ..target import Target
-from .base import SLACK_S, budget
+from .base import SLACK_S, budget, transport_hook
 from .endpoint import Endpoints
 
 __all__ = ["CapabilityChecks"]
-
-
-def _hook(suite: Any, wsync: Context, name: str, capability_name: str, signature: str, what: str):
-    """The hook ``name``: from the suite, else a static method of the transport class."""
-    hook = getattr(suite, name, None) or getattr(wsync.target.cls, name, None)
-    if hook is None:
-        pytest.fail(f"transport declares the {capability_name!r} capability but its TransportSuite subclass does not "
-                    f"supply `{name}{signature}` (nor the transport class, as a static method): {what} (see "
-                    f"docs/conformance.md, 'Capabilities')", pytrace=False)
-    return hook
 
 
 class CapabilityChecks:
@@ -54,7 +43,7 @@ class CapabilityChecks:
         """A peer without valid credentials never joins, never gets a payload and never changes a
         model; authenticated workers are served as usual."""
         wsync.require("auth")
-        hook = _hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
+        hook = transport_hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
                      "options for the sender and authenticated receivers (good=True) and for a peer without "
                      "valid credentials (good=False)")
         good, bad = dict(hook(True)), dict(hook(False))
@@ -103,7 +92,7 @@ class CapabilityChecks:
         neither ``repr`` of the transport nor of a scheme over it shows their values (they end up
         in logs, tracebacks and error reports)."""
         wsync.require("auth")
-        hook = _hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
+        hook = transport_hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
                      "options for the sender and authenticated receivers (good=True) and for a peer without "
                      "valid credentials (good=False)")
         good, bad = dict(hook(True)), dict(hook(False))
@@ -132,7 +121,7 @@ class CapabilityChecks:
         """A receiver in another network namespace (another "host", joined by a bridge) connects
         to a sender listening on its bridge address and applies every version exactly."""
         wsync.require("multi_host")
-        hook = _hook(self, wsync, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
+        hook = transport_hook(self, wsync, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
                      "options for a sender listening on host_address, reachable from another network namespace")
         if (reason := netns.available()) is not None:
             pytest.skip(f"multi_host is declared but cannot be tested here: {reason}")

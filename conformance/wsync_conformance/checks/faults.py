@@ -39,7 +39,7 @@ from ..context import Context
 from ..guarantees import capability, guarantee, violated
 from ..models import ModelSpec, build, digests, many_spec, random_values
 from ..target import Target
-from .base import SLACK_S, budget, expect_connect_refused, thorough
+from .base import SLACK_S, budget, expect_connect_refused, thorough, transport_hook
 
 __all__ = ["FaultChecks", "Cluster", "rss_bytes", "KILL_MOMENTS", "KILL_SIZES_KIB"]
 
@@ -65,20 +65,10 @@ def rss_bytes() -> int | None:
         return None
 
 
-def _multi_host_hook(suite: Any, wsync: Context):
-    """The transport's ``multi_host_options(host_address)``: from the suite, else the transport class."""
-    hook = getattr(suite, "multi_host_options", None) or getattr(wsync.target.cls, "multi_host_options", None)
-    if hook is None:
-        pytest.fail("transport declares the 'multi_host' capability but supplies no `multi_host_options(self, "
-                    "host_address: str) -> dict` on its TransportSuite subclass (or as a static method of the "
-                    "transport class): options for a sender listening on host_address (see docs/conformance.md)",
-                    pytrace=False)
-    return hook
-
-
 def _require_hosts(suite: Any, wsync: Context):
     wsync.require("multi_host")
-    hook = _multi_host_hook(suite, wsync)
+    hook = transport_hook(suite, wsync, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
+                          "options for a sender listening on host_address, reachable from another network namespace")
     if (reason := netns.available()) is not None:
         pytest.skip(f"multi_host faults cannot be tested here: {reason}")
     return hook
