@@ -157,7 +157,7 @@ class Session:
         for w in self.workers:
             if w.alive():
                 with contextlib.suppress(harness.HarnessError):
-                    w.request("close", 60.0)
+                    w.close_session()
         self.scheme.shutdown()
 
     # -- sending -----------------------------------------------------------------------------

@@ -685,8 +685,10 @@ class Worker:
         model, the last version it backed the model at]."""
         return self.request("held").raise_for_error("held")["held"]
 
-    def close_session(self) -> None:
-        self.request("close", 60.0)
+    def close_session(self, timeout: float = 60.0) -> None:
+        """The runner closes its bare endpoint and shuts its scheme down; raises HarnessError if it
+        does not answer within ``timeout`` seconds."""
+        self.request("close", timeout)
 
     def dump_stack(self) -> str:
         """Every thread's stack in the runner now (a process: dumped by faulthandler on SIGUSR1)."""

@@ -568,7 +568,7 @@ class EndpointChecks:
         if reply.error not in (None, "WorkerTimeoutError", "TransportError"):
             raise violated("live", f"ReceiverEndpoint.open() without a sender raised {reply.error}: "
                                    f"{reply.get('message')}")
-        lonely.workers[0].request("close", 30.0)
+        lonely.workers[0].close_session(30.0)
         e = Endpoints(wsync, 1)
         e.connect()
         if e.poll(short):
