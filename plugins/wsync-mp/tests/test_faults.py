@@ -530,3 +530,36 @@ def test_independent_receiver_on_a_path(tmp_path, pool):
     finally:
         scheme.shutdown()
     assert not os.path.exists(path)
+
+
+def test_a_failed_io_thread_is_named_in_the_send_and_every_later_one(monkeypatch):
+    """The sender's I/O thread dying (a bug, a failed allocation) fails the workers with its error
+    and every later call with TransportError quoting it; before, the error was only in the log."""
+    from wsync_mp.sender import MpSender
+
+    sender = WeightSyncScheme("mp", timeout=TIMEOUT)
+    model = fw.make_model()
+    sender.init_on_sender(weights=model, num_workers=1)
+    worker = pickle.loads(pickle.dumps(sender))
+    worker.init_on_receiver(model=fw.make_model(5), worker_idx=0)
+    thread = threading.Thread(target=worker.connect)
+    thread.start()
+    try:
+        sender.connect()
+        thread.join(TIMEOUT)
+
+        def broken(self, conn):
+            raise MemoryError("no room for the frame")
+
+        monkeypatch.setattr(MpSender, "_read", broken)
+        _fill(model, 1)
+        handle = sender.send_async()
+        assert worker.receive(timeout=TIMEOUT) == 1  # its ack is what the I/O thread fails to read
+        with pytest.raises(WorkerTimeoutError, match="worker 0: the sender's I/O thread failed: MemoryError: "
+                                                     "no room for the frame"):
+            handle.wait(TIMEOUT)
+        with pytest.raises(TransportError, match="mp: the sender's I/O thread failed: MemoryError"):
+            sender.send(timeout=TIMEOUT)
+    finally:
+        worker.shutdown()
+        sender.shutdown()

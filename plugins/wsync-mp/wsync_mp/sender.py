@@ -111,6 +111,7 @@ class MpSender(SenderEndpoint):
         self.thread: threading.Thread | None = None
         self.closing = False
         self.woken = False  # wake(): the scheme is shutting down, waits end at once
+        self.failure: str | None = None  # why the I/O thread died: every later call raises it
         self.bound_path: str | None = None
 
     # -- SenderEndpoint ----------------------------------------------------------------------
@@ -134,9 +135,15 @@ class MpSender(SenderEndpoint):
         self.thread = threading.Thread(target=self._run, name=f"wsync-mp-sender {self.address}", daemon=True)
         self.thread.start()
 
+    def _check_alive(self) -> None:
+        """Raise TransportError if the I/O thread died (nothing would reach a worker)."""
+        if self.failure is not None:
+            raise TransportError(f"mp: {self.failure}")
+
     def acquire(self, deadline: Deadline) -> Buffer:
         with self.cond:
             while True:
+                self._check_alive()
                 busy = {s for c in self.conns.values() for s in (*c.held, *c.pinned)}
                 busy |= {c.pending[0] for c in self.conns.values() if c.pending is not None}
                 for index, slot in enumerate(self.slots):
@@ -162,6 +169,7 @@ class MpSender(SenderEndpoint):
         if len(header) > MAX_HEADER_BYTES:
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
+            self._check_alive()
             self.latest = index
             self.published += 1
             conns = [conn for w in workers if (conn := self.conns.get(w)) is not None]
@@ -181,6 +189,8 @@ class MpSender(SenderEndpoint):
             while not (self.events or self.closing or self.woken or deadline.expired()):
                 self.cond.wait(deadline.slice(1.0))
             events, self.events = self.events, []
+            if not events:
+                self._check_alive()
         return events
 
     def wake(self) -> None:
@@ -286,11 +296,13 @@ class MpSender(SenderEndpoint):
                                     self._flush(conn)
                         except (OSError, TransportError) as exc:
                             self._drop(conn, f"{type(exc).__name__}: {exc}")
-        except Exception:  # the loop must never die silently: fail every worker instead
+        except Exception as exc:  # the loop must never die silently: fail every worker and every later call
             log.exception("mp sender I/O thread failed")
             with self.cond:
+                self.failure = f"the sender's I/O thread failed: {type(exc).__name__}: {exc}"
                 for w in list(self.conns):
-                    self._emit(Left(w, "the mp sender's I/O thread failed (see the log)"))
+                    self._emit(Left(w, self.failure))
+                self.freed.notify_all()
 
     def _accept(self) -> None:
         try:
