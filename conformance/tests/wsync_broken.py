@@ -21,7 +21,7 @@ from wsync_core.inproc import InprocTransport, _Receiver, _Sender
 from wsync_core.transport import Joined
 
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "RenumberedHeader", "WrongWorker", "LeakedThread",
-           "UnpickledPayload", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
+           "UnpickledPayload", "UnpicklesPlainData", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
            "ReusedReceiveBuffer", "BlockingPublish", "DeadlineIgnored", "SleepsThroughShutdown",
            "CloseNotIdempotent", "EndpointInOptions",
            "SharedAdoptable", "EagerReceiver", "BlockedInC", "CorruptDelta", "PrefixIgnored",
@@ -121,6 +121,19 @@ class _Unpickle(_Receiver):
         if delivery is None:
             return None
         return Delivery(delivery.header, pickle.loads(pickle.dumps(delivery.payload)))
+
+
+class _UnpicklesPlainData(_Receiver):
+    """Carries the header inside a pickled tuple, as a control message would be: plain bytes and
+    tuples look up no class, so no ``find_class`` audit event tells of it."""
+
+    def recv(self, deadline):
+        delivery = super().recv(deadline)
+        if delivery is None:
+            return None
+        (header,) = pickle.loads(pickle.dumps((bytes(delivery.header),)))
+        return Delivery(header, delivery.payload, release=delivery.release, adoptable=delivery.adoptable,
+                        warm=delivery.warm)
 
 
 # -- the seven bugs of issue 14, and one per rule of the transport interface -----------------------
@@ -356,6 +369,7 @@ RenumberedHeader = _transport("RenumberedHeader", receiver=_Renumbered)
 WrongWorker = _transport("WrongWorker", sender=_Misroute)
 LeakedThread = _transport("LeakedThread", sender=_Leaky)
 UnpickledPayload = _transport("UnpickledPayload", receiver=_Unpickle)
+UnpicklesPlainData = _transport("UnpicklesPlainData", receiver=_UnpicklesPlainData)
 AcquireLastPublished = _transport("AcquireLastPublished", sender=_AcquireLast)
 OlderWins = _transport("OlderWins", sender=_OlderWins)
 NeverLeft = _transport("NeverLeft", receiver=_NeverLeft)
@@ -381,6 +395,7 @@ BROKEN: dict[str, str] = {
     "WrongWorker": "targeted",
     "LeakedThread": "clean",
     "UnpickledPayload": "safe",
+    "UnpicklesPlainData": "safe",
     "AcquireLastPublished": "isolated",
     "OlderWins": "versioned",
     "NeverLeft": "live",
@@ -407,6 +422,7 @@ SELECT: dict[str, str] = {
     "WrongWorker": "test_targeted_subset_send",
     "LeakedThread": "test_clean_after_shutdown",
     "UnpickledPayload": "test_safe_nothing_unpickled",
+    "UnpicklesPlainData": "test_safe_nothing_unpickled",
     "AcquireLastPublished": "test_endpoint_acquire_never_returns_a_buffer_in_use",
     "OlderWins": "test_endpoint_newest_wins",
     "NeverLeft": "test_endpoint_joined_acked_left",
@@ -832,5 +848,27 @@ if TcpTransport is not None:
     BROKEN["ListensEverywhere"] = "safe"
     SELECT["ListensEverywhere"] = "test_safe_binds_loopback"
     __all__ += ["ListensEverywhere"]
+
+    class _FallsBackToNoAuth(_TcpReceiver):
+        """Holds an authkey and proves it when challenged, but takes a sender that has not
+        challenged it within 0.2 s for one without authentication (a "compatibility" fallback):
+        whoever listens on the sender's address feeds it weights."""
+
+        def _serve(self, stream):
+            def fall_back() -> None:
+                with self.cond:
+                    conn = self.conn
+                    if conn is not None and conn.stage == "auth":
+                        self._live(conn)
+                self._kick()
+
+            threading.Timer(0.2, fall_back).start()
+            return super()._serve(stream)
+
+    FallsBackToNoAuth = type("FallsBackToNoAuth", (_tcp("FallsBackToNoAuth", receiver=_FallsBackToNoAuth),),
+                             {"auth_options": staticmethod(_auth_options), "__module__": __name__})
+    BROKEN["FallsBackToNoAuth"] = "safe"
+    SELECT["FallsBackToNoAuth"] = "test_capability_auth_refuses_an_impostor_sender"
+    __all__ += ["FallsBackToNoAuth"]
 
 __all__ += ["StaleQueued"]

@@ -67,26 +67,61 @@ _runtime_listeners: set[str] | None = None
 _runtime_used = False
 
 
+def _auditing() -> bool:
+    return _audit["process"] or getattr(_audit_local, "on", False)
+
+
 def _audit_hook(event: str, args: tuple) -> None:
-    if event == "pickle.find_class" and (_audit["process"] or getattr(_audit_local, "on", False)):
+    if event == "pickle.find_class" and _auditing():
         _audit_events.append([*(str(a) for a in args), _unpickler()])
+
+
+#: the pickle machinery, which an unpickling is attributed past (to the code that called it)
+_MACHINERY = frozenset({__name__, "pickle", "copyreg", "multiprocessing.connection", "multiprocessing.reduction"})
 
 
 def _unpickler() -> str:
     """The innermost Python code that is unpickling: ``module:function`` of the nearest frame
     outside this module and the pickle machinery (the C unpickler has no frame of its own)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") in (__name__, "pickle", "copyreg"):
+    while frame is not None and frame.f_globals.get("__name__") in _MACHINERY:
         frame = frame.f_back
     if frame is None:
         return "?"
     return f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_name}"
 
 
+def _recording(load: Any, name: str) -> Any:
+    """``load`` (``pickle.loads`` and the like), recording each call made while auditing: an
+    unpickling of plain data (bytes, tuples, dicts) looks up no class, so no ``find_class``
+    event tells of it."""
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if _auditing():
+            _audit_events.append(["(no class)", name, _unpickler()])
+        return load(*args, **kwargs)
+
+    return recorded
+
+
 def _install_audit_hook() -> None:
-    if not _audit["installed"]:
-        sys.addaudithook(_audit_hook)
-        _audit["installed"] = True
+    """Audit unpickling in this runner: ``find_class`` events, and every call of pickle's loaders
+    (``pickle``'s and ``_pickle``'s ``load``/``loads``/``Unpickler.load``, multiprocessing's)."""
+    if _audit["installed"]:
+        return
+    sys.addaudithook(_audit_hook)
+    import _pickle
+    import multiprocessing.reduction
+
+    for module in (pickle, _pickle):
+        for name in ("load", "loads"):
+            setattr(module, name, _recording(getattr(module, name), f"{module.__name__}.{name}"))
+    load_method = _recording(_pickle.Unpickler.load, "Unpickler.load")
+    recorded_unpickler = type("Unpickler", (_pickle.Unpickler,), {"load": load_method, "__module__": "pickle"})
+    pickle.Unpickler = _pickle.Unpickler = recorded_unpickler
+    forking = multiprocessing.reduction.ForkingPickler
+    forking.loads = staticmethod(_recording(forking.loads, "ForkingPickler.loads"))
+    _audit["installed"] = True
 
 
 def die_with_parent(parent: int | None, stack_file: str | None = None) -> None:

@@ -6,8 +6,9 @@ from its control store), and its processes may listen beyond loopback; any other
 transport's code, wsync's, anyone's outside the runtime) still fails the suite, and the table
 names the runtime and the reason, so a user sees what the transport asks them to trust.
 
-An audit event is ``[module, name]`` (the class ``pickle.find_class`` looked up) and, where the
-harness could tell, the unpickling code as ``"module:function"``."""
+An audit event is ``[module, name]`` (the class ``pickle.find_class`` looked up), or
+``["(no class)", loader]`` (a call of one of pickle's loaders, e.g. ``pickle.loads``), and,
+where the harness could tell, the unpickling code as ``"module:function"``."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def trusted_runtime(cls: type) -> tuple[str, str] | None:
 
 
 def untrusted_unpickling(events: Iterable[Any], runtime: tuple[str, str] | None) -> list[Any]:
-    """The ``find_class`` audit events (``[module, name, unpickler]``) neither of the trusted
+    """The unpickling audit events (``[module, name, unpickler]``) neither of the trusted
     runtime's classes nor unpickled by the runtime's own code."""
     if runtime is None:
         return list(events)

@@ -19,13 +19,13 @@ import contextlib
 import pickle
 
 import pytest
-from wsync_core import Deadline, WeightSyncScheme, WorkerTimeoutError
+from wsync_core import Deadline, TransportError, WeightSyncScheme, WorkerTimeoutError
 from wsync_core.transport import ZERO_COPY_MIN_BYTES
 
 from .. import harness, netns, watchdog
 from ..context import Context
 from ..guarantees import capability, guarantee, violated
-from ..models import build, digests, many_spec, random_values, version_spec
+from ..models import build, digests, fill, many_spec, random_values, version_spec
 from ..target import Target
 from .base import SLACK_S, budget, transport_hook
 from .endpoint import Endpoints
@@ -84,6 +84,58 @@ class CapabilityChecks:
             raise violated("safe", "the unauthenticated peer's model changed")
         s.expected[1] = digests(s.model)
         s.check(1, [0], guarantee="safe")
+
+    @guarantee("safe")
+    @capability("auth")
+    @budget(short_timeouts=6)
+    def test_capability_auth_refuses_an_impostor_sender(self, wsync: Context) -> None:
+        """A worker with valid credentials that reaches a sender without them (a guessed key, and
+        no key at all) never connects, never applies its payload and keeps its model: a worker
+        authenticates its sender too, or whoever takes the sender's address feeds it weights."""
+        wsync.require("auth")
+        hook = transport_hook(self, wsync, "auth_options", "auth", "(self, good: bool) -> dict",
+                              "options for the sender and authenticated receivers (good=True) and for a peer "
+                              "without valid credentials (good=False)")
+        good, bad = dict(hook(True)), dict(hook(False))
+        credentials = sorted(k for k in good if good[k] != bad.get(k))
+        impostors = {"a sender with a guessed credential": {**good, **bad},
+                     "a sender with no credential": {**good, **{k: None for k in credentials}}}
+        wait = wsync.short_timeout * 2
+        spec = version_spec()
+        tried = []
+        for what, options in impostors.items():
+            try:
+                impostor = WeightSyncScheme(Target(wsync.target.transport, {**wsync.target.options, **options}).make(),
+                                            timeout=wait)
+                model = build(spec)
+                fill(model, random_values(spec, 7))
+                impostor.init_on_sender(model=model, num_workers=1)  # resolves its address
+            except (ValueError, TypeError):  # this transport cannot build such a sender: no such impostor
+                continue
+            tried.append(what)
+            wsync.on_close(impostor.shutdown)
+            t = impostor.transport
+            worker = WeightSyncScheme(type(t)(**{**t.options, **good}), timeout=wait)
+            w = wsync.workers(1)[0]
+            w.open(worker, spec, wsync.device, 0)
+            before = w.snapshot()["digests"]
+            w.call_async("connect", timeout=wait)
+            try:
+                impostor.connect(timeout=wait)
+            except (WorkerTimeoutError, TransportError):
+                pass
+            else:
+                raise violated("safe", f"a worker with valid credentials connected to {what}")
+            finally:
+                reply = w.recv(wait + SLACK_S, "answer to connect()")
+                impostor.shutdown()
+            if reply.error is None:
+                raise violated("safe", f"a worker with valid credentials took version {reply.get('version')} from "
+                                       f"{what}: it must authenticate the sender, not only be authenticated by it")
+            if w.snapshot()["digests"] != before:
+                raise violated("safe", f"{what} changed the model of a worker with valid credentials")
+        if not tried:
+            pytest.skip(f"no sender could be built with auth_options(False) or without {credentials}")
 
     @guarantee("safe")
     @capability("auth")

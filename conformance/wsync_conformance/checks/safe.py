@@ -23,7 +23,8 @@ class SafeChecks:
 
     @guarantee("safe")
     def test_safe_nothing_unpickled(self, wsync: Context) -> None:
-        """No ``pickle.find_class`` happens in a receiver while it connects and receives."""
+        """Nothing is unpickled in a receiver while it connects and receives: no ``pickle.find_class``
+        and no call of pickle's loaders (an unpickling of plain bytes or tuples looks up no class)."""
         s = wsync.session(rich_spec("module", 1), n=2)
         for seed in range(3):
             s.fill(random_values(s.spec, seed))
@@ -31,7 +32,7 @@ class SafeChecks:
         for i, w in enumerate(s.workers):
             events = untrusted_unpickling(w.request("audit")["events"], trusted_runtime(wsync.target.cls))
             if events:
-                raise violated("safe", f"receiver {i} unpickled while receiving: find_class{tuple(events[0])} "
+                raise violated("safe", f"receiver {i} unpickled while receiving: {_described(events[0])} "
                                        f"and {len(events) - 1} more")
 
     @guarantee("safe")
@@ -63,7 +64,7 @@ class SafeChecks:
                 raise violated("safe", f"a header of {what} changed the receiver's model")
         events = untrusted_unpickling(w.request("audit")["events"], trusted_runtime(wsync.target.cls))
         if events:
-            raise violated("safe", f"the receiver unpickled hostile bytes: find_class{tuple(events[0])}")
+            raise violated("safe", f"the receiver unpickled hostile bytes: {_described(events[0])}")
         expect_serving_after_hostile(raw, w, wsync)
         # last: an oversized header (a transport may refuse to carry it, or drop the peer that sent it)
         before = w.snapshot()["digests"]
@@ -97,3 +98,12 @@ class SafeChecks:
         if public:
             where = ", ".join(f"{a} ({holder})" for a, holder in sorted(public.items()))
             raise violated("safe", f"listening on non-loopback addresses by default: {where}")
+
+
+def _described(event: list[str]) -> str:
+    """An audit event in words: ``find_class(module, name) in module:function`` for a class looked
+    up, ``pickle.loads in module:function`` for a loader called on plain data."""
+    where = f" in {event[2]}" if len(event) > 2 else ""
+    if event and event[0] == "(no class)":
+        return f"{event[1]}(){where}"
+    return f"find_class{tuple(event[:2])}{where}"
