@@ -633,6 +633,14 @@ class _CutHeaders(_Sender):
         super().publish(buffer, header[:65536], workers)
 
 
+class _CutAcks(_Receiver):
+    """Sends at most an ack's first KiB (a fixed-size control frame): acks of versions fit, a
+    rejection quoting a long error arrives cut, as malformed."""
+
+    def ack(self, data: bytes) -> None:
+        super().ack(bytes(data)[:1024])
+
+
 class _RaisesForGone(_Sender):
     """publish() raises TransportError when a target has closed since the last poll (instead of
     skipping it and reporting Left): one worker gone fails the send for every other."""
@@ -662,9 +670,12 @@ BROKEN.update(BlindRecv="live", BlindPoll="live")
 SELECT.update(BlindRecv="test_endpoint_expired_deadline_still_looks", BlindPoll="test_endpoint_expired_deadline_still_looks")
 BROKEN["CutHeaders"] = "exact"
 SELECT["CutHeaders"] = "test_exact_many_tensors"
+CutAcks = _transport("CutAcks", receiver=_CutAcks)
+BROKEN["CutAcks"] = "exact"
+SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

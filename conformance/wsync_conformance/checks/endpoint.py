@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 from wsync_core import Buffer, Deadline, Layout, WorkerTimeoutError
-from wsync_core.protocol import Header
+from wsync_core.protocol import MAX_ACK_BYTES, Header
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 from wsync_core.weights import flatten
 
@@ -520,6 +520,40 @@ class EndpointChecks:
                                    f"acked by its worker, the sender process grew by {grown / (1 << 20):.0f} MiB "
                                    f"({grown / e.nbytes:.1f} model sizes, at most {MEMORY_BOUND} allowed): acquire() "
                                    f"must reuse or free the buffers workers are done with")
+
+    @guarantee("exact")
+    def test_endpoint_headers_and_acks_arrive_whole(self, wsync: Context) -> None:
+        """Headers and acks are opaque bytes, carried byte for byte: headers of 64 KiB + 1 and 1 MiB
+        + 3 bytes (a first header carries the sender's layout: 0.7 MiB for 4,600 tensors) and acks
+        of 1 KiB + 1 and ``MAX_ACK_BYTES`` (a rejection quotes the worker's error, and a schema
+        error names every key that differs). A transport may refuse headers larger than its
+        worker's layout allows (zmq: 1 MiB and four times the layout's JSON), not smaller."""
+        e = Endpoints(wsync, 1)
+        e.connect()
+        for size in (65_537, (1 << 20) + 3):
+            header = (bytes(range(251)) * (size // 251 + 1))[:size]
+            buffer = e.sender.acquire(Deadline(wsync.timeout))
+            buffer.used = e.nbytes
+            e.sender.publish(buffer, header, [0])
+            e.last = buffer
+            got = e.recv(0, wsync.timeout, ack=False)["delivery"]
+            if got is None:
+                raise violated("live", f"a delivery with a header of {size} bytes did not arrive within "
+                                       f"{wsync.timeout:g} s")
+            arrived = base64.b64decode(got["header"])
+            if arrived != header:
+                raise violated("exact", f"a header of {size} bytes arrived as {len(arrived)} bytes"
+                                        + (", changed" if len(arrived) == size else "")
+                                        + ": a header of up to 1 MiB and its worker's layout travels whole")
+        for size in (1025, MAX_ACK_BYTES):
+            data = (b"ack " + bytes(range(256)) * (size // 256 + 1))[:size]
+            e.workers[0].request("ep_ack", data=base64.b64encode(data).decode()).raise_for_error(f"ack() of {size} bytes")
+            e.wait_for(lambda ev: isinstance(ev, Acked), [0], f"Acked after an ack of {size} bytes")
+            acked = [ev.data for ev in e.log if isinstance(ev, Acked) and ev.worker == 0][-1]
+            if acked != data:
+                raise violated("exact", f"an ack of {size} bytes arrived as {len(acked)} bytes"
+                                        + (", changed" if len(acked) == size else "")
+                                        + f": acks up to MAX_ACK_BYTES ({MAX_ACK_BYTES}) travel whole")
 
     @guarantee("safe")
     def test_endpoint_size_checks(self, wsync: Context) -> None:
