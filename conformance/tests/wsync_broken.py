@@ -641,6 +641,19 @@ class _CutAcks(_Receiver):
         super().ack(bytes(data)[:1024])
 
 
+class _SpinningRecv(_Receiver):
+    """``recv()`` waits by asking again and again (a deadline misread as milliseconds, say): the
+    worker's process burns a core while it waits for a version."""
+
+    def recv(self, deadline):
+        from wsync_core import Deadline
+
+        while True:
+            delivery = super().recv(Deadline(0))
+            if delivery is not None or deadline.expired() or self.woken:
+                return delivery
+
+
 class _RaisesForGone(_Sender):
     """publish() raises TransportError when a target has closed since the last poll (instead of
     skipping it and reporting Left): one worker gone fails the send for every other."""
@@ -673,9 +686,12 @@ SELECT["CutHeaders"] = "test_exact_many_tensors"
 CutAcks = _transport("CutAcks", receiver=_CutAcks)
 BROKEN["CutAcks"] = "exact"
 SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
+SpinningRecv = _transport("SpinningRecv", receiver=_SpinningRecv)
+BROKEN["SpinningRecv"] = "live"
+SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

@@ -256,11 +256,11 @@ class _Endpoint:
 
         from .models import payload_digest
 
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         d = self.endpoint.recv(Deadline(timeout))
         took = time.monotonic() - t0
         if d is None:
-            return {"delivery": None, "took": took}
+            return {"delivery": None, "took": took, "cpu": time.process_time() - c0}
         out = {"delivery": {"header": base64.b64encode(bytes(d.header)).decode(), "size": int(d.payload.numel()),
                             "dtype": str(d.payload.dtype), "adoptable": bool(d.adoptable),
                             "digest": payload_digest(d.payload), "expected_size": self.nbytes}, "took": took}

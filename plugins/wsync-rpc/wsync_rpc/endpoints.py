@@ -268,7 +268,9 @@ class _Agent:
             self.store.set(_joined_key(self.rank - 1), b"1")
         if self.interface is not None:
             os.environ["TP_SOCKET_IFNAME"] = os.environ[_MARK] = self.interface[0]
-        opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}")
+        # TCP only: TensorPipe's shm transport polls without sleeping (most of a core per idle process)
+        opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}",
+                                               _transports=["uv"])
         wait = timedelta(seconds=max(0.05, wait_s))
         self.store.set_timeout(wait)
         _init_dist_autograd(self.rank)
