@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from wsync_core import Capabilities, Deadline, Layout, WeightSyncScheme, WorkerTimeoutError
+from wsync_core import Capabilities, Deadline, Layout, WeightSyncScheme, WorkerTimeoutError, WsyncError
 from wsync_core.protocol import Ack, Header
 from wsync_core.transport import Acked, Joined, SenderContext
 from wsync_core.weights import flatten
@@ -79,11 +79,16 @@ class Context:
     def session(self, spec: ModelSpec, n: int = 2, *, sync: bool = True, connect: bool = True, init: bool = True,
                 workers: list[harness.Worker] | None = None, receiver_device: str | None = None) -> Session:
         """A sender of ``spec`` and ``n`` receivers (connected unless ``connect=False``; receivers
-        call ``init_on_receiver`` unless ``init=False``)."""
+        call ``init_on_receiver`` unless ``init=False``). A connect that fails is a ``live``
+        violation, whatever the test checks: the test never got to its own question."""
         s = Session(self, spec, workers or self.workers(n), sync=sync, receiver_device=receiver_device, init=init)
         self.on_close(s.close)
         if connect:
-            s.connect()
+            try:
+                s.connect()
+            except (WsyncError, harness.HarnessError) as exc:
+                raise violated("live", f"setting up: the sender and {len(s.workers)} receivers did not connect "
+                                       f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:400]})") from exc
         return s
 
     def on_close(self, closer: Callable[[], Any]) -> None:
