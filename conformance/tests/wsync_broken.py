@@ -459,6 +459,26 @@ BROKEN["EagerReceiver"] = "ordered"
 SELECT["EagerReceiver"] = "test_ordered_init_does_not_connect"
 
 
+class _EagerSender(_Sender):
+    """Takes its channel when built, not in open(): a sender that init_on_sender() made and that
+    never connects holds it (a trainer restarted on the same options finds it taken)."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        from wsync_core import Deadline
+
+        super().open(Deadline(5.0))
+
+    def open(self, deadline) -> None:
+        pass
+
+
+EagerSender = _transport("EagerSender", sender=_EagerSender)
+BROKEN["EagerSender"] = "ordered"
+SELECT["EagerSender"] = "test_ordered_init_on_sender_takes_nothing"
+__all__ += ["EagerSender"]
+
+
 class _BlockedInC(_BlockingPublish):
     """From the fourth publish on, publish() blocks where no signal reaches it (as a call stuck in C)."""
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from wsync_core import Deadline, StateError, WeightSyncScheme
 
+from .. import resources
 from ..context import Context, RawSender, Session
 from ..guarantees import guarantee, violated
 from ..models import build, fill_version, version_spec
@@ -88,6 +89,30 @@ class OrderedChecks:
         s.check(s.send(), guarantee="ordered")  # still works after every refused call
         w.call("shutdown").raise_for_error("receiver shutdown()")
         expect("receive() after shutdown", "receive", timeout=0)
+
+    @guarantee("ordered")
+    def test_ordered_init_on_sender_takes_nothing(self, wsync: Context) -> None:
+        """init_on_sender() only prepares: it starts no thread and opens no socket, file, shared
+        memory or channel (a transport takes its resources in open(), at connect()). A sender
+        built earlier holds nothing a trainer restarted on the same options needs, and one that
+        is never connected leaves nothing behind."""
+        spec = version_spec()
+
+        def build_sender() -> WeightSyncScheme:
+            scheme = WeightSyncScheme(wsync.target.make(), timeout=wsync.timeout)
+            scheme.init_on_sender(model=build(spec), num_workers=1)
+            return scheme
+
+        build_sender().shutdown()  # warm-up: what the first use loads once is not taken by init
+        before = resources.snapshot()
+        scheme = build_sender()
+        try:
+            taken = resources.leaks(before, resources.snapshot())
+        finally:
+            scheme.shutdown()
+        if taken:
+            raise violated("ordered", "init_on_sender() alone took resources (before connect()):\n  "
+                           + "\n  ".join(taken))
 
     @guarantee("ordered")
     @budget(short_timeouts=1)
