@@ -653,6 +653,23 @@ class _CutHeaders(_Sender):
         super().publish(buffer, header[:65536], workers)
 
 
+class _ChunkTail(_BrokenReceiver):
+    """Copies a payload in 16 MiB chunks and drops the last, partial one: past the last whole
+    chunk a worker keeps the previous version's bytes (zeros at first). Models under 16 MiB pass."""
+
+    CHUNK = 16 << 20
+
+    def damage(self, delivery: Delivery) -> Delivery:
+        n = delivery.payload.numel()
+        if n <= self.CHUNK:
+            return delivery
+        keep = self.previous if self.previous is not None and self.previous.numel() == n else None
+        out = keep.clone() if keep is not None else torch.zeros(n, dtype=torch.uint8)
+        whole = n // self.CHUNK * self.CHUNK
+        out[:whole] = delivery.payload[:whole]
+        return Delivery(delivery.header, out)
+
+
 class _CutAcks(_Receiver):
     """Sends at most an ack's first KiB (a fixed-size control frame): acks of versions fit, a
     rejection quoting a long error arrives cut, as malformed."""
@@ -706,12 +723,15 @@ SELECT["CutHeaders"] = "test_exact_many_tensors"
 CutAcks = _transport("CutAcks", receiver=_CutAcks)
 BROKEN["CutAcks"] = "exact"
 SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
+ChunkTail = _transport("ChunkTail", receiver=_ChunkTail)
+BROKEN["ChunkTail"] = "exact"
+SELECT["ChunkTail"] = "test_endpoint_a_large_payload_arrives_whole"
 SpinningRecv = _transport("SpinningRecv", receiver=_SpinningRecv)
 BROKEN["SpinningRecv"] = "live"
 SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "SpinningRecv", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

@@ -325,6 +325,27 @@ class EndpointChecks:
                 raise violated("exact", f"publish() of a Buffer with used={used} delivered {used} bytes that are not "
                                         f"its first {used} bytes")
 
+    @guarantee("exact")
+    def test_endpoint_a_large_payload_arrives_whole(self, wsync: Context) -> None:
+        """The payload of a model of 20 MiB and 76 bytes (a size no chunk of a power of two divides, larger than
+        the 16 MiB a transport's chunks or checksum blocks often hold) arrives byte for byte, twice
+        (the second into buffers the first one used)."""
+        spec = ModelSpec("state_dict", (TensorSpec("w", ((20 << 20) // 4 + 19,), "float32"),))
+        e = Endpoints(wsync, 1, spec)
+        e.connect()
+        for v in (1, 2):
+            e.publish(v, [0])
+            got, d = None, None
+            deadline = Deadline(wsync.timeout)
+            while got != v and not deadline.expired():
+                d = e.recv(0, deadline.slice(2.0))["delivery"]
+                got = _version_of(d) if d is not None else got
+            if got != v:
+                raise violated("live", f"the receiver endpoint did not get version {v} (20 MiB) within {wsync.timeout} s")
+            if d["size"] != e.nbytes or d["digest"] != e.published[v]:
+                raise violated("exact", f"a payload of {e.nbytes} bytes arrived as {d['size']} bytes"
+                                        + (" that differ from those published" if d["size"] == e.nbytes else ""))
+
     @guarantee("versioned")
     def test_endpoint_newest_wins(self, wsync: Context) -> None:
         """Five publishes to a receiver that is not reading: it gets deliveries in rising order,
