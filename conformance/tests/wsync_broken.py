@@ -670,6 +670,13 @@ class _ChunkTail(_BrokenReceiver):
         return Delivery(delivery.header, out)
 
 
+class _Misaligned(_Sender):
+    """``acquire()`` hands out a buffer 8 bytes into an allocation: its address is no multiple of 64."""
+
+    def acquire(self, deadline) -> Buffer:
+        return Buffer(torch.empty(self.nbytes + 8, dtype=torch.uint8)[8:])
+
+
 class _CutAcks(_Receiver):
     """Sends at most an ack's first KiB (a fixed-size control frame): acks of versions fit, a
     rejection quoting a long error arrives cut, as malformed."""
@@ -723,6 +730,9 @@ SELECT["CutHeaders"] = "test_exact_many_tensors"
 CutAcks = _transport("CutAcks", receiver=_CutAcks)
 BROKEN["CutAcks"] = "exact"
 SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
+Misaligned = _transport("Misaligned", sender=_Misaligned)
+BROKEN["Misaligned"] = "exact"
+SELECT["Misaligned"] = "test_endpoint_publish_delivers_used_bytes"
 ChunkTail = _transport("ChunkTail", receiver=_ChunkTail)
 BROKEN["ChunkTail"] = "exact"
 SELECT["ChunkTail"] = "test_endpoint_a_large_payload_arrives_whole"
@@ -731,7 +741,7 @@ BROKEN["SpinningRecv"] = "live"
 SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

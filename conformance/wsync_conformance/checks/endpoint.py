@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 from wsync_core import Buffer, Deadline, Layout, WorkerTimeoutError
+from wsync_core.layout import ALIGN
 from wsync_core.protocol import MAX_ACK_BYTES, Header
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 from wsync_core.weights import flatten
@@ -174,8 +175,8 @@ class Endpoints:
 
 
 def check_buffer(buffer: Any, nbytes: int, last: Buffer | None) -> None:
-    """What ``acquire`` returned: a ``Buffer`` whose tensor is contiguous uint8 of ``nbytes``, not
-    the last published one nor overlapping its memory."""
+    """What ``acquire`` returned: a ``Buffer`` whose tensor is contiguous uint8 of ``nbytes`` at an
+    address that is a multiple of ``ALIGN``, not the last published one nor overlapping its memory."""
     if not isinstance(buffer, Buffer):
         raise violated("exact", f"acquire() returned {type(buffer).__name__}, expected a wsync_core.Buffer "
                                 f"(transport interface 2)")
@@ -185,6 +186,10 @@ def check_buffer(buffer: Any, nbytes: int, last: Buffer | None) -> None:
         raise violated("exact", f"acquire() returned a Buffer whose tensor is {type(tensor).__name__} "
                                 f"{getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}, expected a "
                                 f"contiguous uint8 tensor of {nbytes} bytes")
+    if nbytes and tensor.data_ptr() % ALIGN:
+        raise violated("exact", f"acquire() returned a Buffer at address {tensor.data_ptr():#x}, not a multiple of "
+                                f"{ALIGN}: the core packs tensors at multiples of {ALIGN} bytes from its start, and a "
+                                f"typed copy to a misaligned address can crash the process (the core refuses it)")
     if last is not None and buffer is last:
         raise violated("isolated", "acquire() returned the Buffer of the last publish: the core would overwrite a "
                                    "payload that receivers may still read")
