@@ -670,6 +670,26 @@ class _ChunkTail(_BrokenReceiver):
         return Delivery(delivery.header, out)
 
 
+_reopened: dict[str, set[int]] = {}
+
+
+class _AckLostAfterReopen(_Receiver):
+    """A worker back under an index it had before loses its first ack (sent before its connection
+    is registered again, say): the sender waits for it until the send's timeout."""
+
+    def open(self, deadline) -> None:
+        seen = _reopened.setdefault(self.name, set())
+        self.drop_ack = self.worker in seen
+        seen.add(self.worker)
+        super().open(deadline)
+
+    def ack(self, data: bytes) -> None:
+        if self.drop_ack:
+            self.drop_ack = False
+            return
+        super().ack(data)
+
+
 class _Misaligned(_Sender):
     """``acquire()`` hands out a buffer 8 bytes into an allocation: its address is no multiple of 64."""
 
@@ -730,6 +750,9 @@ SELECT["CutHeaders"] = "test_exact_many_tensors"
 CutAcks = _transport("CutAcks", receiver=_CutAcks)
 BROKEN["CutAcks"] = "exact"
 SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
+AckLostAfterReopen = _transport("AckLostAfterReopen", receiver=_AckLostAfterReopen)
+BROKEN["AckLostAfterReopen"] = "live"
+SELECT["AckLostAfterReopen"] = "test_endpoint_reconnect_same_index"
 Misaligned = _transport("Misaligned", sender=_Misaligned)
 BROKEN["Misaligned"] = "exact"
 SELECT["Misaligned"] = "test_endpoint_publish_delivers_used_bytes"
@@ -741,7 +764,7 @@ BROKEN["SpinningRecv"] = "live"
 SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

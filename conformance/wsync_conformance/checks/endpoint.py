@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 import torch
-from wsync_core import Buffer, Deadline, Layout, WorkerTimeoutError
+from wsync_core import Buffer, Deadline, Layout, TransportError, WorkerTimeoutError
 from wsync_core.layout import ALIGN
-from wsync_core.protocol import MAX_ACK_BYTES, Header
+from wsync_core.protocol import MAX_ACK_BYTES, Ack, Header
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
 from wsync_core.weights import flatten
 
@@ -432,7 +432,7 @@ class EndpointChecks:
     @capability("late_join")
     def test_endpoint_reconnect_same_index(self, wsync: Context) -> None:
         """A worker that goes away (closes, or its process is killed) and comes back under the same
-        index is seen to join again and is served."""
+        index is seen to join again, is served, and its ack of what it got reaches the sender."""
         wsync.require("late_join")
         e = Endpoints(wsync, 1)
         e.connect()
@@ -461,6 +461,8 @@ class EndpointChecks:
             if got != version:
                 raise violated("live", f"a worker restarted under the same index ({how}) was not served version "
                                        f"{version} (got {got})")
+            e.wait_for(lambda ev: isinstance(ev, Acked) and _ack_version(ev.data) == version, [0],
+                       f"the ack of version {version} from worker 0 back after it {how}")
 
     @guarantee("live")
     @budget(timeouts=3)
@@ -779,6 +781,14 @@ class EndpointChecks:
         if reply.error:
             raise violated("clean", f"close() of a receiver holding a delivery, after its sender closed, raised "
                                     f"{reply.error}: {reply.get('message')}")
+
+
+def _ack_version(data: bytes) -> int | None:
+    """The version an ack names, or None for bytes that are no ack."""
+    try:
+        return Ack.decode(data).version
+    except TransportError:
+        return None
 
 
 def _names(events: list[Event]) -> str:
