@@ -58,8 +58,9 @@ def _sha(t: torch.Tensor) -> str:
 
 #: how soon a poll must return once wake() was called (seconds)
 _WOKEN_S = 5.0
-#: the CPU seconds a one-second wait with nothing to come may use (a spinning one uses most of a second)
-_SPIN_CPU_S = 0.3
+#: how long test_endpoint_waits_sleep waits, and the CPU seconds that wait may use (a spinning one
+#: uses most of it)
+_SPIN_WAIT_S, _SPIN_CPU_S = 0.5, 0.15
 
 
 class Endpoints:
@@ -681,25 +682,26 @@ class EndpointChecks:
 
     @guarantee("live")
     def test_endpoint_waits_sleep(self, wsync: Context) -> None:
-        """A poll() or recv() with nothing to come waits without spinning: over a second of polls
-        (called again whenever one returns early, as the core's waits do) the sender's process
-        uses at most ``_SPIN_CPU_S`` of CPU, and so does the receiver's over a one-second recv().
-        On shared cores a spinning wait takes the time workers and the trainer need."""
+        """A poll() or recv() with nothing to come waits without spinning: over half a second of
+        polls (called again whenever one returns early, as the core's waits do) the sender's
+        process uses at most ``_SPIN_CPU_S`` of CPU, and so does the receiver's over a recv() of
+        half a second. On shared cores a spinning wait takes the time workers and the trainer need."""
         e = Endpoints(wsync, 1)
         e.connect()
         e.events.clear()
-        deadline = Deadline(1.0)
+        deadline = Deadline(_SPIN_WAIT_S)
         c0 = time.process_time()
         while not deadline.expired():
             e.sender.poll(Deadline(deadline.remaining()))
         cpu = time.process_time() - c0
         if cpu > _SPIN_CPU_S:
-            raise violated("live", f"a second of SenderEndpoint.poll() with nothing to come used {cpu:.2f} s of CPU "
+            raise violated("live", f"{_SPIN_WAIT_S:g} s of SenderEndpoint.poll() with nothing to come used {cpu:.2f} s "
+                                   f"of CPU "
                                    f"(at most {_SPIN_CPU_S:g} allowed): poll must sleep until an event or its "
                                    f"deadline, not spin or return early")
-        reply = e.workers[0].request("ep_recv", 30.0, timeout=1.0, keep=False).raise_for_error("recv()")
+        reply = e.workers[0].request("ep_recv", 30.0, timeout=_SPIN_WAIT_S, keep=False).raise_for_error("recv()")
         if reply["delivery"] is None and reply.get("cpu", 0.0) > _SPIN_CPU_S:
-            raise violated("live", f"a one-second ReceiverEndpoint.recv() with nothing to come used "
+            raise violated("live", f"a ReceiverEndpoint.recv() of {_SPIN_WAIT_S:g} s with nothing to come used "
                                    f"{reply['cpu']:.2f} s of CPU in the receiver's process (at most {_SPIN_CPU_S:g} "
                                    f"allowed): recv must sleep until a delivery or its deadline, not spin")
 
