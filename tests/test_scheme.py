@@ -18,6 +18,7 @@ from torch import nn
 
 from core_helpers import bump, connect_both, connected_pair, connected_workers, make_policy, same
 from wsync_core import (
+    Delivery,
     SchemaMismatchError,
     StateError,
     TransportError,
@@ -26,6 +27,7 @@ from wsync_core import (
     WsyncError,
 )
 from wsync_core.inproc import InprocTransport, open_channels
+from wsync_core.inproc import _Receiver as _InprocReceiver
 from wsync_core.layout import Layout
 from wsync_core.transport import Transport
 
@@ -603,6 +605,42 @@ def test_an_inproc_scheme_in_another_process_says_inproc_is_for_threads():
         sender.shutdown()
     assert "inproc carries weights between threads of one process" in said and f"process {os.getpid()}" in said
 
+
+
+class _NeverDryReceiver(_InprocReceiver):
+    """A broken receiver endpoint: once something arrived, every recv() hands the last delivery again."""
+
+    last: tuple[bytes, torch.Tensor] | None = None
+
+    def recv(self, deadline):
+        got = super().recv(deadline)
+        if got is not None:
+            self.last = (bytes(got.header), got.payload.clone())
+        return None if self.last is None else Delivery(self.last[0], self.last[1].clone())
+
+
+class _NeverDry(InprocTransport):
+    name = "neverdry"
+
+    def receiver(self, ctx):
+        return _NeverDryReceiver(self, ctx)
+
+
+def test_a_transport_whose_recv_never_runs_dry_does_not_hold_a_receive_forever():
+    """The core drains waiting deliveries to apply the newest: bounded, so a transport that keeps
+    handing one over (a bug) still lets connect() and receive() return (they hung)."""
+    sender, model, receiver, local = connected_pair(_NeverDry(channel="never-dry"))
+    try:
+        t0 = time.monotonic()
+        assert receiver.receive(timeout=0) is None and receiver.version == 0
+        bump(model)
+        sender.send_async()
+        assert receiver.receive(timeout=5) == 1 and same(local, model)  # the newest, found among copies
+        assert receiver.receive(timeout=0) is None  # only copies of what it holds now
+        assert time.monotonic() - t0 < 20
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
 
 
 class _Keyed(InprocTransport):

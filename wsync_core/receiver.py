@@ -34,6 +34,9 @@ log = logging.getLogger("wsync")
 #: give up the core to a waiting thread, where the system has the call (not on Windows)
 _yield_core = getattr(os, "sched_yield", lambda: None)
 _SIGINT = int(signal.SIGINT)
+#: the most deliveries one receive() takes from its endpoint to find the newest (a newest-only
+#: mailbox holds one or two; a transport whose recv() never runs dry must not hold a receive forever)
+_MAX_DRAIN = 256
 
 
 class Receiver:
@@ -163,8 +166,10 @@ class Receiver:
         best: tuple[Delivery, Header] | None = None
         stale = False
         delivery = endpoint.recv(deadline)
+        drained = 0
         try:
             while delivery is not None:
+                drained += 1
                 try:
                     header = Header.decode(delivery.header, self.sealed)
                 except TransportError as exc:  # which version it was is unknown: the sender fails what it sent
@@ -182,7 +187,7 @@ class Receiver:
                 else:
                     stale = True
                     _release(delivery)
-                delivery = endpoint.recv(POLL)
+                delivery = endpoint.recv(POLL) if drained < _MAX_DRAIN else None
         except BaseException:
             if best is not None:
                 _release(best[0])
