@@ -116,6 +116,19 @@ class Endpoints:
         reply.raise_for_error(f"receiver endpoint {i}: recv()")
         return reply
 
+    def recv_version(self, i: int, version: int) -> dict[str, Any]:
+        """Receiver ``i``'s recv() until version ``version`` arrives, within the timeout: its
+        delivery as ``recv`` describes it. Raises a ``live`` violation if it does not arrive."""
+        got, d = None, None
+        deadline = Deadline(self.ctx.timeout)
+        while got != version and not deadline.expired():
+            d = self.recv(i, deadline.slice(2.0))["delivery"]
+            got = _version_of(d) if d is not None else got
+        if got != version:
+            raise violated("live", f"receiver endpoint {i} did not get version {version} within {self.ctx.timeout:g} s "
+                                   f"(the last it got: {got})")
+        return d
+
     # -- the sender ----------------------------------------------------------------------------
     def header(self, version: int, nbytes: int | None = None) -> bytes:
         return Header(version, "policy", self.layout.digest, self.nbytes if nbytes is None else nbytes, None).encode()
@@ -316,13 +329,7 @@ class EndpointChecks:
         e.connect()
         for v, used in ((1, max(1, e.nbytes // 2)), (2, max(1, e.nbytes // 3)), (3, e.nbytes)):
             e.publish(v, [0], used=used)
-            got, d = None, None
-            deadline = Deadline(wsync.timeout)
-            while got != v and not deadline.expired():
-                d = e.recv(0, deadline.slice(2.0))["delivery"]
-                got = _version_of(d) if d is not None else got
-            if got != v:
-                raise violated("live", f"the receiver endpoint did not get version {v} within {wsync.timeout} s")
+            d = e.recv_version(0, v)
             if d["size"] != used:
                 raise violated("exact", f"publish() of a Buffer with used={used} of its {e.nbytes} bytes delivered "
                                         f"{d['size']} bytes: with prefix_publish it must deliver exactly the first "
@@ -341,13 +348,7 @@ class EndpointChecks:
         e.connect()
         for v in (1, 2):
             e.publish(v, [0])
-            got, d = None, None
-            deadline = Deadline(wsync.timeout)
-            while got != v and not deadline.expired():
-                d = e.recv(0, deadline.slice(2.0))["delivery"]
-                got = _version_of(d) if d is not None else got
-            if got != v:
-                raise violated("live", f"the receiver endpoint did not get version {v} (20 MiB) within {wsync.timeout} s")
+            d = e.recv_version(0, v)
             if d["size"] != e.nbytes or d["digest"] != e.published[v]:
                 raise violated("exact", f"a payload of {e.nbytes} bytes arrived as {d['size']} bytes"
                                         + (" that differ from those published" if d["size"] == e.nbytes else ""))
