@@ -690,6 +690,17 @@ class _AckLostAfterReopen(_Receiver):
         super().ack(data)
 
 
+class _FourSlots(_Sender):
+    """Routes a version sent to some of the workers through a table of four, by worker index
+    modulo four (a version for everyone goes right): with five workers, one for worker 4 reaches
+    worker 0."""
+
+    def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        if sorted(workers) != sorted(self.channel.receivers):
+            workers = sorted({w % 4 for w in workers})
+        super().publish(buffer, header, workers)
+
+
 class _Misaligned(_Sender):
     """``acquire()`` hands out a buffer 8 bytes into an allocation: its address is no multiple of 64."""
 
@@ -753,6 +764,9 @@ SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
 AckLostAfterReopen = _transport("AckLostAfterReopen", receiver=_AckLostAfterReopen)
 BROKEN["AckLostAfterReopen"] = "live"
 SELECT["AckLostAfterReopen"] = "test_endpoint_reconnect_same_index"
+FourSlots = _transport("FourSlots", sender=_FourSlots)
+BROKEN["FourSlots"] = "targeted"
+SELECT["FourSlots"] = "test_endpoint_five_workers"
 Misaligned = _transport("Misaligned", sender=_Misaligned)
 BROKEN["Misaligned"] = "exact"
 SELECT["Misaligned"] = "test_endpoint_publish_delivers_used_bytes"
@@ -764,7 +778,7 @@ BROKEN["SpinningRecv"] = "live"
 SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "FourSlots", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

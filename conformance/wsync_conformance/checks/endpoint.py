@@ -378,6 +378,32 @@ class EndpointChecks:
             raise violated("versioned", f"after publishes of versions 1..5 the receiver got only {got}: the newest "
                                         f"publish was dropped")
 
+    @guarantee("targeted")
+    def test_endpoint_five_workers(self, wsync: Context) -> None:
+        """Five receivers (the other checks use at most three): all five join before the sender
+        polls and each is reported, each gets a version sent to all and its ack is reported, and
+        a version sent to workers 1 and 4 reaches them and no one else (a transport that keeps
+        four of anything, mailboxes or queued events, fails here)."""
+        n = 5
+        e = Endpoints(wsync, n)
+        e.connect()
+        e.publish(1, list(range(n)))
+        for i in range(n):
+            e.recv_version(i, 1)
+        e.wait_for(lambda ev: isinstance(ev, Acked) and _ack_version(ev.data) == 1, list(range(n)),
+                   "the ack of version 1")
+        targets = [1, 4]
+        e.publish(2, targets)
+        for i in sorted(set(range(n)) - set(targets)):
+            d = e.recv(i, 0.2, ack=False)["delivery"]
+            if d is not None and _version_of(d) == 2:
+                raise violated("targeted", f"version 2 was published to workers {targets} only, but worker {i} "
+                                           f"received it")
+        for i in targets:
+            d = e.recv_version(i, 2)
+            if d["digest"] != e.published[2]:
+                raise violated("exact", f"worker {i} got version 2 with other bytes")
+
     @guarantee("live")
     @budget(timeouts=2)
     @capability("processes")
