@@ -701,6 +701,27 @@ class _FourSlots(_Sender):
         super().publish(buffer, header, workers)
 
 
+class _LeaksWhenAlone(_Sender):
+    """Starts a watcher thread in open() and stops it in close() only once a worker has joined: a
+    sender whose connect() timed out with no worker leaves it running."""
+
+    def open(self, deadline) -> None:
+        super().open(deadline)
+        self.joined_any = False
+        self.stop_watch = threading.Event()
+        threading.Thread(target=self.stop_watch.wait, name="watcher-of-a-broken-transport", daemon=True).start()
+
+    def poll(self, deadline):
+        events = super().poll(deadline)
+        self.joined_any = self.joined_any or any(isinstance(e, Joined) for e in events)
+        return events
+
+    def close(self) -> None:
+        if getattr(self, "joined_any", False):
+            self.stop_watch.set()
+        super().close()
+
+
 class _Misaligned(_Sender):
     """``acquire()`` hands out a buffer 8 bytes into an allocation: its address is no multiple of 64."""
 
@@ -767,6 +788,9 @@ SELECT["AckLostAfterReopen"] = "test_endpoint_reconnect_same_index"
 FourSlots = _transport("FourSlots", sender=_FourSlots)
 BROKEN["FourSlots"] = "targeted"
 SELECT["FourSlots"] = "test_endpoint_five_workers"
+LeaksWhenAlone = _transport("LeaksWhenAlone", sender=_LeaksWhenAlone)
+BROKEN["LeaksWhenAlone"] = "clean"
+SELECT["LeaksWhenAlone"] = "test_clean_after_connects_that_time_out"
 Misaligned = _transport("Misaligned", sender=_Misaligned)
 BROKEN["Misaligned"] = "exact"
 SELECT["Misaligned"] = "test_endpoint_publish_delivers_used_bytes"
@@ -778,7 +802,7 @@ BROKEN["SpinningRecv"] = "live"
 SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
 BROKEN["RaisesForGone"] = "live"
 SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "FourSlots", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
+__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "FourSlots", "LeaksWhenAlone", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
+from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
 
 from .. import resources
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
-from ..models import digests, fill_version, random_values, rich_spec, version_spec
+from ..models import build, digests, fill_version, random_values, rich_spec, version_spec
 
 __all__ = ["CleanChecks"]
 
@@ -27,6 +29,46 @@ class CleanChecks:
             w.call("shutdown").raise_for_error("receiver shutdown()")
         s.scheme.shutdown()
         s.close()
+
+    def _alone(self, wsync: Context, worker: Any) -> None:
+        """A sender whose connect() times out (its worker never comes) and a worker whose
+        connect() times out (its sender is gone), both shut down; at the same time."""
+        spec = version_spec()
+        sender = WeightSyncScheme(wsync.target.make(), timeout=wsync.short_timeout)
+        sender.init_on_sender(model=build(spec), num_workers=1)
+        orphan = pickle.loads(pickle.dumps(sender))  # what a worker gets; this sender never connects
+        sender.shutdown()
+        alone = WeightSyncScheme(wsync.target.make(), timeout=wsync.short_timeout)
+        alone.init_on_sender(model=build(spec), num_workers=1)
+        worker.open(orphan, spec, wsync.device, 0)
+        worker.call_async("connect", timeout=wsync.short_timeout)
+        try:
+            alone.connect()
+        except (WorkerTimeoutError, TransportError):
+            pass
+        finally:
+            alone.shutdown()
+            worker.recv(wsync.timeout + 60, "answer to connect()")
+            worker.close_session()
+
+    @guarantee("clean")
+    def test_clean_after_connects_that_time_out(self, wsync: Context) -> None:
+        """A sender whose connect() times out with no worker, and a worker whose connect() times
+        out with no sender, leave nothing behind once shut down: no thread, file descriptor,
+        child process, listening socket or inproc channel (the paths a run that never got going
+        takes, which ``test_clean_after_shutdown`` does not)."""
+        (worker,) = wsync.workers(1)
+        self._alone(wsync, worker)  # warm-up: lazy initialisation is not a leak
+        before = resources.snapshot()
+        worker_before = worker.request("resources") if wsync.process else None
+        self._alone(wsync, worker)
+        found = [f"sender process: {f}" for f in resources.wait_for_no_leaks(before, resources.snapshot,
+                                                                                ignore_children={worker.pid})]
+        if worker_before is not None:
+            found += [f"receiver process: {f}" for f in resources.wait_for_no_leaks(
+                worker_before, lambda: worker.request("resources"))]
+        if found:
+            raise violated("clean", "after connects that timed out and shutdown():\n  " + "\n  ".join(found))
 
     @guarantee("clean")
     def test_clean_after_shutdown(self, wsync: Context) -> None:
