@@ -118,8 +118,7 @@ class Sender:
         self._latest: tuple[Buffer, Header] | None = None  # what a joiner gets: the buffer as published
         self._acked = {w: -1 for w in range(num_workers)}
         self._joined: set[int] = set()
-        self._left: set[int] = set()
-        self._left_why: dict[int, str] = {}  # how the transport knows each worker in _left left
+        self._left: dict[int, str] = {}  # worker -> how the transport knows it left
         self._rejected: dict[int, Ack] = {}
         #: each worker's last refusal since it last applied a version (named when it times out)
         self._refusals: dict[int, Ack] = {}
@@ -484,17 +483,16 @@ class Sender:
         if isinstance(event, Joined):
             log.info("worker %d joined", w)
             self._joined.add(w)
-            self._left.discard(w)
+            self._left.pop(w, None)
             self._acked[w] = -1
             self._holds.pop(w, None)
             self._layout_sent.discard(w)
             self._deliver([w])
         elif isinstance(event, Left):
             log.info("worker %d left: %s", w, event.reason)
-            self._left_why[w] = str(event.reason)
             self._joined.discard(w)
             self._holds.pop(w, None)
-            self._left.add(w)
+            self._left[w] = str(event.reason)
         elif isinstance(event, Acked):
             try:
                 ack = Ack.decode(event.data, self.transport.checksum)
@@ -615,7 +613,7 @@ class Sender:
         if missing:
             gone = [w for w in missing if w in self._left]
             updated = [w for w in targets if w not in missing and w not in rejected]
-            why = "".join(f"; worker {w}: {self._left_why[w][:300]}" for w in gone if self._left_why.get(w))
+            why = "".join(f"; worker {w}: {self._left[w][:300]}" for w in gone if self._left[w])
             if gone == missing and not deadline.expired():  # no wait for them: it is not a matter of time
                 raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}{why}; "
                                          f"updated: {updated}", missing)
