@@ -58,6 +58,14 @@ def _transport(name: str, receiver: type[_Receiver] = _Receiver, sender: type[_S
                                             "__module__": __name__})
 
 
+def _tooth(name: str, guarantee: str, select: str, **endpoints: type) -> type:
+    """``_transport(name, **endpoints)``, registered as a tooth: the suite must fail it under
+    ``guarantee`` with the tests ``select`` picks (``BROKEN``, ``SELECT`` and ``__all__``)."""
+    BROKEN[name], SELECT[name] = guarantee, select
+    __all__.append(name)
+    return _transport(name, **endpoints)
+
+
 class _Flip(_BrokenReceiver):
     def damage(self, delivery: Delivery) -> Delivery:
         payload = delivery.payload.clone()
@@ -473,10 +481,7 @@ class _EagerSender(_Sender):
         pass
 
 
-EagerSender = _transport("EagerSender", sender=_EagerSender)
-BROKEN["EagerSender"] = "ordered"
-SELECT["EagerSender"] = "test_ordered_init_on_sender_takes_nothing"
-__all__ += ["EagerSender"]
+EagerSender = _tooth("EagerSender", "ordered", "test_ordered_init_on_sender_takes_nothing", sender=_EagerSender)
 
 
 class _BlockedInC(_BlockingPublish):
@@ -761,48 +766,23 @@ class _RaisesForGone(_Sender):
         super().publish(buffer, header, workers)
 
 
-RingIgnoresHolders = _transport("RingIgnoresHolders", sender=_RingIgnoresHolders)
-EmptyIsNone = _transport("EmptyIsNone", receiver=_EmptyIsNone)
-ReversedEvents = _transport("ReversedEvents", sender=_ReversedEvents)
-HoardsBuffers = _transport("HoardsBuffers", sender=_HoardsBuffers)
-BlindRecv = _transport("BlindRecv", receiver=_BlindRecv)
-BlindPoll = _transport("BlindPoll", sender=_BlindPoll)
-CutHeaders = _transport("CutHeaders", sender=_CutHeaders)
-RaisesForGone = _transport("RaisesForGone", sender=_RaisesForGone)
-BROKEN.update(RingIgnoresHolders="isolated", EmptyIsNone="exact", ReversedEvents="live", HoardsBuffers="live")
-SELECT.update(RingIgnoresHolders="test_endpoint_acquire_never_returns_a_buffer_in_use",
-              EmptyIsNone="test_exact_empty_model",
-              ReversedEvents="test_endpoint_events_in_order",
-              HoardsBuffers="test_endpoint_sender_memory_bounded")
-__all__ += ["RingIgnoresHolders", "EmptyIsNone", "ReversedEvents", "HoardsBuffers"]
-BROKEN.update(BlindRecv="live", BlindPoll="live")
-SELECT.update(BlindRecv="test_endpoint_expired_deadline_still_looks", BlindPoll="test_endpoint_expired_deadline_still_looks")
-BROKEN["CutHeaders"] = "exact"
-SELECT["CutHeaders"] = "test_exact_many_tensors"
-CutAcks = _transport("CutAcks", receiver=_CutAcks)
-BROKEN["CutAcks"] = "exact"
-SELECT["CutAcks"] = "test_endpoint_headers_and_acks_arrive_whole"
-AckLostAfterReopen = _transport("AckLostAfterReopen", receiver=_AckLostAfterReopen)
-BROKEN["AckLostAfterReopen"] = "live"
-SELECT["AckLostAfterReopen"] = "test_endpoint_reconnect_same_index"
-FourSlots = _transport("FourSlots", sender=_FourSlots)
-BROKEN["FourSlots"] = "targeted"
-SELECT["FourSlots"] = "test_endpoint_five_workers"
-LeaksWhenAlone = _transport("LeaksWhenAlone", sender=_LeaksWhenAlone)
-BROKEN["LeaksWhenAlone"] = "clean"
-SELECT["LeaksWhenAlone"] = "test_clean_after_connects_that_time_out"
-Misaligned = _transport("Misaligned", sender=_Misaligned)
-BROKEN["Misaligned"] = "exact"
-SELECT["Misaligned"] = "test_endpoint_publish_delivers_used_bytes"
-ChunkTail = _transport("ChunkTail", receiver=_ChunkTail)
-BROKEN["ChunkTail"] = "exact"
-SELECT["ChunkTail"] = "test_endpoint_a_large_payload_arrives_whole"
-SpinningRecv = _transport("SpinningRecv", receiver=_SpinningRecv)
-BROKEN["SpinningRecv"] = "live"
-SELECT["SpinningRecv"] = "test_endpoint_waits_sleep"
-BROKEN["RaisesForGone"] = "live"
-SELECT["RaisesForGone"] = "test_endpoint_publish_skips_a_gone_worker"
-__all__ += ["BlindRecv", "BlindPoll", "CutHeaders", "AckLostAfterReopen", "FourSlots", "LeaksWhenAlone", "Misaligned", "CutAcks", "ChunkTail", "SpinningRecv", "RaisesForGone"]
+RingIgnoresHolders = _tooth("RingIgnoresHolders", "isolated", "test_endpoint_acquire_never_returns_a_buffer_in_use",
+                            sender=_RingIgnoresHolders)
+EmptyIsNone = _tooth("EmptyIsNone", "exact", "test_exact_empty_model", receiver=_EmptyIsNone)
+ReversedEvents = _tooth("ReversedEvents", "live", "test_endpoint_events_in_order", sender=_ReversedEvents)
+HoardsBuffers = _tooth("HoardsBuffers", "live", "test_endpoint_sender_memory_bounded", sender=_HoardsBuffers)
+BlindRecv = _tooth("BlindRecv", "live", "test_endpoint_expired_deadline_still_looks", receiver=_BlindRecv)
+BlindPoll = _tooth("BlindPoll", "live", "test_endpoint_expired_deadline_still_looks", sender=_BlindPoll)
+CutHeaders = _tooth("CutHeaders", "exact", "test_exact_many_tensors", sender=_CutHeaders)
+CutAcks = _tooth("CutAcks", "exact", "test_endpoint_headers_and_acks_arrive_whole", receiver=_CutAcks)
+AckLostAfterReopen = _tooth("AckLostAfterReopen", "live", "test_endpoint_reconnect_same_index",
+                            receiver=_AckLostAfterReopen)
+FourSlots = _tooth("FourSlots", "targeted", "test_endpoint_five_workers", sender=_FourSlots)
+LeaksWhenAlone = _tooth("LeaksWhenAlone", "clean", "test_clean_after_connects_that_time_out", sender=_LeaksWhenAlone)
+Misaligned = _tooth("Misaligned", "exact", "test_endpoint_publish_delivers_used_bytes", sender=_Misaligned)
+ChunkTail = _tooth("ChunkTail", "exact", "test_endpoint_a_large_payload_arrives_whole", receiver=_ChunkTail)
+SpinningRecv = _tooth("SpinningRecv", "live", "test_endpoint_waits_sleep", receiver=_SpinningRecv)
+RaisesForGone = _tooth("RaisesForGone", "live", "test_endpoint_publish_skips_a_gone_worker", sender=_RaisesForGone)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport
