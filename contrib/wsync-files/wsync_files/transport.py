@@ -173,16 +173,17 @@ def _alive(owner: bytes) -> bool:
         return False
 
 
-def _check_open(opened: bool, what: str) -> None:
-    """Raise TransportError unless the endpoint is open (the core may call it from a send() that
+def _check_open(endpoint: _Sender | _Receiver) -> None:
+    """Raise TransportError unless ``endpoint`` is open (the core may call it from a send() that
     shutdown() in another thread overtook: it must then do nothing)."""
-    if not opened:
-        raise TransportError(f"{what} is not open (closed, or not opened yet)")
+    if not endpoint.opened:
+        raise TransportError(f"{endpoint.what} is not open (closed, or not opened yet)")
 
 
 class _Sender(SenderEndpoint):
     def __init__(self, transport: FilesTransport, ctx: SenderContext) -> None:
         self.dir = transport.options["directory"]
+        self.what = f"files sender on {self.dir}"
         self.nbytes = ctx.layout.nbytes
         self.token = uuid.uuid4().hex[:12]
         self.me = f"{_HOST} {os.getpid()} {self.token}".encode()
@@ -225,13 +226,13 @@ class _Sender(SenderEndpoint):
         self.buffers = [Buffer(torch.empty(self.nbytes, dtype=torch.uint8), i) for i in range(2)]
 
     def acquire(self, deadline: Deadline) -> Buffer:
-        _check_open(self.opened, f"files sender on {self.dir}")
+        _check_open(self)
         slot = 1 if self.latest == 0 else 0  # never the buffer published last
         self.written.pop(slot, None)
         return self.buffers[slot]
 
     def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
-        _check_open(self.opened, f"files sender on {self.dir}")
+        _check_open(self)
         slot = buffer.index  # 0 or 1: which of self.buffers
         name = self.written.get(slot)
         if name is None:
@@ -251,7 +252,7 @@ class _Sender(SenderEndpoint):
         self.files = [f for f in self.files if f in keep]
 
     def poll(self, deadline: Deadline) -> list[Event]:
-        _check_open(self.opened, f"files sender on {self.dir}")
+        _check_open(self)
         return _poll(deadline, self._scan, self.woken) or []
 
     def wake(self) -> None:
@@ -305,6 +306,7 @@ class _Receiver(ReceiverEndpoint):
     def __init__(self, transport: FilesTransport, ctx: ReceiverContext) -> None:
         self.dir = transport.options["directory"]
         self.worker = ctx.worker_idx
+        self.what = f"files worker {self.worker} on {self.dir}"
         self.nbytes = ctx.layout.nbytes
         self.me = f"{_HOST} {os.getpid()} {uuid.uuid4().hex[:12]}".encode()
         self.hello = os.path.join(self.dir, f"hello-{self.worker}")
@@ -327,7 +329,7 @@ class _Receiver(ReceiverEndpoint):
         self.opened = True
 
     def recv(self, deadline: Deadline) -> Delivery | None:
-        _check_open(self.opened, f"files worker {self.worker} on {self.dir}")
+        _check_open(self)
         return _poll(deadline, self._take, self.woken)
 
     def wake(self) -> None:
@@ -363,7 +365,7 @@ class _Receiver(ReceiverEndpoint):
         return Delivery(header, buf, release=lambda: self.free.append(buf))
 
     def ack(self, data: bytes) -> None:
-        _check_open(self.opened, f"files worker {self.worker} on {self.dir}")
+        _check_open(self)
         self.acks += 1
         _write(self.dir, f"ack-{self.worker}-{self.acks:020d}", data)
 
