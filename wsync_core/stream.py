@@ -82,6 +82,8 @@ _MAX_EVENTS = 65536
 _BROKEN_DELAY_S = 0.05
 #: bytes written to one peer before the I/O thread turns to the others
 _WRITE_BUDGET = 8 << 20
+#: seconds a closing receiver waits for room to write its last acks and goodbye
+_GOODBYE_S = 1.0
 #: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
 _live: weakref.WeakSet[_Loop] = weakref.WeakSet()
 
@@ -844,13 +846,24 @@ class StreamReceiver(_Loop, ReceiverBase):
             return None
         finally:
             with self.cond:
-                if not self.is_open and conn.stage == "live" and not conn.out:
-                    try:  # the sender reports Left at once
-                        self.write(conn.stream, memoryview(frame(Kind.BYE)))
-                    except OSError:
-                        pass
+                if not self.is_open and conn.stage == "live":
+                    self._goodbye(conn)
                 self._hang_up()
         return None
+
+    def _goodbye(self, conn: _Conn) -> None:
+        """On close: write what is queued (an ack sent just before closing is not lost), then BYE,
+        so the sender reports Left at once; gives up on a sender that takes nothing for a second."""
+        conn.push(frame(Kind.BYE))
+        deadline = time.monotonic() + _GOODBYE_S
+        try:
+            while True:
+                self._flush(conn, watch=False)
+                if not conn.out or time.monotonic() >= deadline:
+                    return
+                select.select([], [conn.stream], [], 0.05)
+        except OSError:  # gone already: it reports Left when it notices
+            pass
 
     def _live(self, conn: _Conn) -> None:
         conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE,
