@@ -766,6 +766,36 @@ class _RaisesForGone(_Sender):
         super().publish(buffer, header, workers)
 
 
+class _DeafToWake(_Receiver):
+    """wake() does nothing: a recv() waiting in another thread runs on to its deadline, so a
+    shutdown() from another thread waits out the worker's receive(timeout=...)."""
+
+    def wake(self) -> None:
+        pass
+
+
+class _LastAckLost(_Receiver):
+    """ack() queues; the queue goes out with the next ack or recv(), and close() drops it (an I/O
+    thread that stops before it has written what was queued): an ack just before closing is lost."""
+
+    def __init__(self, transport, ctx: ReceiverContext) -> None:
+        super().__init__(transport, ctx)
+        self.queued: list[bytes] = []
+
+    def _flush(self) -> None:
+        for data in self.queued:
+            super().ack(data)
+        self.queued = []
+
+    def ack(self, data: bytes) -> None:
+        self._flush()
+        self.queued.append(bytes(data))
+
+    def recv(self, deadline):
+        self._flush()
+        return super().recv(deadline)
+
+
 RingIgnoresHolders = _tooth("RingIgnoresHolders", "isolated", "test_endpoint_acquire_never_returns_a_buffer_in_use",
                             sender=_RingIgnoresHolders)
 EmptyIsNone = _tooth("EmptyIsNone", "exact", "test_exact_empty_model", receiver=_EmptyIsNone)
@@ -783,6 +813,8 @@ Misaligned = _tooth("Misaligned", "exact", "test_endpoint_publish_delivers_used_
 ChunkTail = _tooth("ChunkTail", "exact", "test_endpoint_a_large_payload_arrives_whole", receiver=_ChunkTail)
 SpinningRecv = _tooth("SpinningRecv", "live", "test_endpoint_waits_sleep", receiver=_SpinningRecv)
 RaisesForGone = _tooth("RaisesForGone", "live", "test_endpoint_publish_skips_a_gone_worker", sender=_RaisesForGone)
+LastAckLost = _tooth("LastAckLost", "live", "test_endpoint_events_in_order", receiver=_LastAckLost)
+DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport
