@@ -1,25 +1,61 @@
-"""Forked children: this process's id without a system call, and what a child does with a
-sender's sockets (it lets go of its copies); and the list of this process's sockets that finds them.
+"""Forked children: this process's id without a system call, and what a child does with the
+endpoints it inherits (it lets go of its copies of their descriptors); and the list of this
+process's sockets that finds them.
 
 A forked child inherits every descriptor of its parent. A copy of a listening socket keeps the
 parent's address taken after the parent closes it (a new sender cannot bind there) and a copy of
-a connection keeps it open (peers never see the end). Transports call ``close_inherited`` from an
-``os.register_at_fork(after_in_child=...)`` hook for the addresses their live senders listen on.
+a connection keeps it open (peers never see the end). An endpoint that holds descriptors calls
+``watch(self)`` when it opens them and ``unwatch(self)`` when it closes them; in a child forked
+meanwhile its ``forget_in_child()`` runs (``close_inherited`` lets go of sockets by address).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Iterable
+from typing import Protocol
 
-__all__ = ["close_inherited", "pid", "socket_descriptors"]
+__all__ = ["Inherited", "close_inherited", "pid", "socket_descriptors", "unwatch", "watch"]
 
 _pid = [os.getpid()]
 
 
+class Inherited(Protocol):
+    """What ``watch`` takes: an object whose copy in a forked child lets go of its descriptors."""
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the descriptors, touching nothing of
+        the parent's (no goodbye to a peer, no unlink, no unlock). It must not raise."""
+
+
+_watched: weakref.WeakSet[Inherited] = weakref.WeakSet()
+
+
+def watch(endpoint: Inherited) -> None:
+    """Until ``unwatch(endpoint)`` (or ``endpoint`` is gone): in every child this process forks,
+    call ``endpoint.forget_in_child()``."""
+    _watched.add(endpoint)
+
+
+def unwatch(endpoint: Inherited) -> None:
+    """Stop watching ``endpoint`` (it closed its descriptors); nothing if it was not watched."""
+    _watched.discard(endpoint)
+
+
 def _after_fork_in_child() -> None:
     _pid[0] = os.getpid()
+    endpoints = list(_watched)
+    _watched.clear()  # the child's copies: none is the child's own to close later
+    failed: BaseException | None = None
+    for endpoint in endpoints:  # each, whatever one before it raised (as one at-fork hook per endpoint)
+        try:
+            endpoint.forget_in_child()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others ran
+            failed = failed or exc
+    if failed is not None:
+        raise failed  # Python reports it (sys.unraisablehook) and the child goes on
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -47,7 +47,6 @@ import selectors
 import struct
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from typing import Any, Protocol
 
 import torch
 
+from . import forked
 from .deadline import Deadline
 from .endpoints import ReceiverBase, SenderBase
 from .errors import TransportError
@@ -84,8 +84,6 @@ _BROKEN_DELAY_S = 0.05
 _WRITE_BUDGET = 8 << 20
 #: seconds a closing receiver waits for room to write its last acks and goodbye
 _GOODBYE_S = 1.0
-#: open endpoints, whose descriptors a forked child closes (its copies only: the parent's stay open)
-_live: weakref.WeakSet[_Loop] = weakref.WeakSet()
 
 
 class Kind:
@@ -255,13 +253,13 @@ class _Loop:
     def _begin(self, name: str) -> None:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
-        _live.add(self)
+        forked.watch(self)  # a forked child closes its copies of the descriptors
 
     def _streams(self) -> list[Any]:
         """Every stream and listener this endpoint holds open."""
         return []
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a child made by ``fork``: close this process's copies of the descriptors and touch
         nothing else (no goodbye: the connections are the parent's)."""
         self._state, self.cond, self.thread = "closed", threading.Condition(), None
@@ -280,7 +278,7 @@ class _Loop:
         """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made)."""
         if self.selector is None:
             return
-        _live.discard(self)
+        forked.unwatch(self)
         self._kick()
         if self.thread is not None:
             self.thread.join(30.0)
@@ -937,11 +935,3 @@ class StreamReceiver(_Loop, ReceiverBase):
             conn.stream.close()
         except OSError:
             pass
-
-
-def _after_fork_in_child() -> None:
-    for endpoint in list(_live):
-        endpoint._forget_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

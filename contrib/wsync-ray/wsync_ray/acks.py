@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsync_core import TransportError
+from wsync_core import TransportError, forked
+from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES
 
 __all__ = ["AckServer", "AckLink", "Hello", "AckFrame", "Closed", "HELLO_S", "MAX_CONNECTIONS"]
@@ -103,12 +104,19 @@ class AckServer:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="wsync-ray-acks", daemon=True)
         self._thread.start()
+        forked.watch(self)
+
+    def forget_in_child(self) -> None:
+        """A forked child lets go of its copies of the listening socket and the connections it
+        accepted, so the parent's port is free once it closes."""
+        close_inherited(ports=[self.address[1]])
 
     def close(self) -> None:
         """Stop the thread and close every socket (idempotent)."""
         if self._stop:
             return
         self._stop = True
+        forked.unwatch(self)
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -214,6 +222,12 @@ class AckLink:
             raise
         self.sock.settimeout(timeout)
         self.port: int = self.sock.getsockname()[1]  # this end's, for a forked child to let go of
+        forked.watch(self)
+
+    def forget_in_child(self) -> None:
+        """A forked child lets go of its copy of the connection, so the sender sees its end when
+        the parent closes it."""
+        close_inherited(ports=[self.port])
 
     def send(self, data: bytes) -> None:
         """Send one ack. Raises OSError if the connection is gone (the caller acks another way)."""
@@ -221,6 +235,7 @@ class AckLink:
 
     def close(self) -> None:
         """End the connection after the acks sent (the sender reads them, then its end)."""
+        forked.unwatch(self)
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:

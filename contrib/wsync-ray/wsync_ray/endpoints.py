@@ -9,7 +9,6 @@ picked up by the next call, so nothing is asked twice and nothing is lost.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import queue
 import threading
@@ -38,7 +37,6 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.forked import close_inherited
 from wsync_core.transport import Event, zero_copy_for
 
 from .acks import AckFrame, AckLink, AckServer, Closed, Hello
@@ -210,7 +208,6 @@ class RaySender(SenderEndpoint):
                 log.info("ray channel %s: no direct-ack socket (%s); acks go through the mailbox", self.channel, exc)
             else:
                 acks = [self.server.address[0], self.server.address[1], self.server.secret]
-                _hosting.append(self.server.address[1])
         try:
             # on the sender's own node: a mailbox on a worker's node would take every worker down
             # with that node (a cut link, a preempted host)
@@ -348,8 +345,6 @@ class RaySender(SenderEndpoint):
             self.pump.stop()
             self.pump = None
         if self.server is not None:
-            if self.server.address[1] in _hosting:
-                _hosting.remove(self.server.address[1])
             self.server.close()
             self.server = None
 
@@ -391,19 +386,6 @@ def _event(item: Any) -> Event | None:
             return Left(worker, item[2])
     log.warning("ray transport: ignoring a malformed mailbox event %.200r", item)
     return None
-
-
-#: the ports of the direct-ack sockets this process listens on or connects from (a forked
-#: child lets go of its copies, so the parent's port is free and its peers see its end)
-_hosting: list[int] = []
-
-
-def _after_fork_in_child() -> None:
-    ports, _hosting[:] = list(_hosting), []
-    close_inherited(ports=ports)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _payload(value: Any) -> torch.Tensor:
@@ -474,8 +456,6 @@ class RayReceiver(ReceiverEndpoint):
             except OSError as exc:
                 log.info("ray channel %s: worker %d acks through the mailbox (no direct connection: %s)",
                          self.channel, self.worker, exc)
-            else:
-                _hosting.append(self.link.port)
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         if self.woken.is_set():
@@ -596,8 +576,6 @@ class RayReceiver(ReceiverEndpoint):
     def _drop_link(self) -> None:
         link, self.link = self.link, None
         if link is not None:
-            if link.port in _hosting:
-                _hosting.remove(link.port)
             link.close()
 
     def close(self) -> None:

@@ -29,11 +29,9 @@ heartbeats) and one lane per connected worker.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,6 +41,7 @@ import torch.distributed as dist
 from wsync_core import Acked, Deadline, Joined, Left, SenderContext, TransportError
 from wsync_core import Buffer
 from wsync_core.endpoints import SenderBase
+from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import decode_json
 
@@ -53,8 +52,6 @@ __all__ = ["DistributedSender"]
 
 log = logging.getLogger("wsync.distributed")
 
-#: senders open in this process (a forked child lets go of their sockets)
-_live: weakref.WeakSet[DistributedSender] = weakref.WeakSet()
 #: how long ``close`` waits for each lane's thread (one aborting a link to a dead peer may take longer)
 _LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
@@ -145,7 +142,7 @@ class DistributedSender(SenderBase):
     # -- the core's calls ------------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
         self.store, self.sock = wire.listen(self.cfg)
-        _live.add(self)
+        forked.watch(self)
         self.marks = wire.clone(self.store, timedelta(seconds=self.cfg.timeout))
         for target, name in ((self._read_events, "events"), (self._watch, "watch")):
             thread = threading.Thread(target=target, args=(wire.clone(self.store),),
@@ -222,8 +219,13 @@ class DistributedSender(SenderBase):
                 self._end_stream()
         return super().poll(deadline)
 
+    def forget_in_child(self) -> None:
+        """A forked child lets go of its copies of the store's sockets, so the parent's port is free
+        once it closes (the child never uses them)."""
+        close_inherited(ports=[self.cfg.port])
+
     def stop(self) -> None:
-        _live.discard(self)
+        forked.unwatch(self)
         with self.cond:
             self._end_stream()
             self.closing = True
@@ -519,17 +521,6 @@ class DistributedSender(SenderBase):
                     stream.abandoned = True
                     return
                 self.cond.wait(deadline.slice(1.0))
-
-
-def _after_fork_in_child() -> None:
-    """A forked child lets go of its copies of every live sender's store sockets, so the parent's
-    port is free once it closes (the child never uses them)."""
-    ports = [sender.cfg.port for sender in list(_live)]
-    _live.clear()
-    close_inherited(ports=ports)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _count(value: bytes) -> int | None:

@@ -35,10 +35,10 @@ import selectors
 import socket
 import threading
 import time
-import weakref
 from collections import deque
 
 import torch
+from wsync_core import forked
 from wsync_core import Deadline, TransportError, Wakeup, WorkerTimeoutError
 from wsync_core.memory import PrivateMap
 from wsync_core.transport import Delivery, ReceiverContext, ReceiverEndpoint
@@ -60,7 +60,6 @@ _REDIAL_S = 0.02
 #: how long a handshake with a sender started again may take
 _HANDSHAKE_S = 10.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-_live: weakref.WeakSet[MpReceiver] = weakref.WeakSet()
 
 
 class MpReceiver(ReceiverEndpoint):
@@ -109,7 +108,7 @@ class MpReceiver(ReceiverEndpoint):
     # -- ReceiverEndpoint --------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
         self.sock = self._connect(deadline)
-        _live.add(self)
+        forked.watch(self)
         try:
             self._handshake(deadline)
         except socket.timeout:
@@ -206,7 +205,7 @@ class MpReceiver(ReceiverEndpoint):
         if self.closing:
             return
         self.closing = True
-        _live.discard(self)
+        forked.unwatch(self)
         if self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)  # the sender sees Left at once
@@ -443,7 +442,7 @@ class MpReceiver(ReceiverEndpoint):
             except BufferError:  # the core still holds a payload view; the map goes with it
                 pass
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the descriptors, touch nothing else."""
         self.closing = True
         if self.sock is not None:
@@ -454,11 +453,3 @@ class MpReceiver(ReceiverEndpoint):
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
-
-
-def _after_fork_in_child() -> None:
-    for receiver in list(_live):
-        receiver._forget_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -28,11 +28,11 @@ import socket
 import stat
 import threading
 import time
-import weakref
 from array import array
 from collections import deque
 from collections.abc import Sequence
 
+from wsync_core import forked
 from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
 from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
@@ -61,7 +61,6 @@ _MAX_QUEUED = 64
 _MAX_HANDSHAKING = 64
 #: how long a connection may take to finish the handshake before it is dropped (seconds)
 _HANDSHAKE_S = 10.0
-_live: weakref.WeakSet[MpSender] = weakref.WeakSet()
 
 
 class _Conn:
@@ -131,7 +130,7 @@ class MpSender(SenderEndpoint):
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
-        _live.add(self)
+        forked.watch(self)
         self.thread = threading.Thread(target=self._run, name=f"wsync-mp-sender {self.address}", daemon=True)
         self.thread.start()
 
@@ -205,7 +204,7 @@ class MpSender(SenderEndpoint):
                 return
             self.closing = True
             self.cond.notify_all()
-        _live.discard(self)
+        forked.unwatch(self)
         if self.thread is not None:
             self._wake()
             self.thread.join(10.0)
@@ -481,7 +480,7 @@ class MpSender(SenderEndpoint):
         self.cond.notify_all()
         self.freed.notify_all()
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the sender's descriptors, touch nothing else."""
         self.closing = True
         lock = threading.RLock()
@@ -518,11 +517,3 @@ def _stale_socket(path: str, check_alive: bool = True) -> bool:
     finally:
         probe.close()
     return False
-
-
-def _after_fork_in_child() -> None:
-    for sender in list(_live):
-        sender._forget_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

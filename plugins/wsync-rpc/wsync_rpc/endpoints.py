@@ -44,6 +44,7 @@ from wsync_core import (
     SenderContext,
     TransportError,
 )
+from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 
@@ -225,7 +226,7 @@ class _Agent:
         wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
         master = rank == 0
         if master:
-            _hosting[:] = [self.port]
+            forked.watch(self)  # a forked child lets go of its copies of the store's sockets
         listen: dict[str, int] = {}
         try:
             if master:  # the store listens on ``host`` only (TCPStore alone binds every interface); it owns the fd
@@ -289,6 +290,11 @@ class _Agent:
                 _listening[:] = self.interface
         self.store.set_timeout(timedelta(seconds=self.timeout))
 
+    def forget_in_child(self) -> None:
+        """A forked child lets go of its copies of the sender's store sockets, so the parent's port
+        is free once it closes (the child never uses them)."""
+        close_inherited(ports=[self.port])
+
     def close(self) -> None:
         if self.started or rpc_api._is_current_rpc_agent_set():
             self.started = False
@@ -297,23 +303,9 @@ class _Agent:
             except RuntimeError as exc:
                 log.warning("rpc: shutting down the RPC agent: %s", _brief(exc))
         self.store = None
-        _hosting.clear()
+        forked.unwatch(self)
         with _cond:
             _owner.clear()
-
-
-#: the port of the store this process hosts as a sender (a forked child lets go of its sockets)
-_hosting: list[int] = []
-
-
-def _after_fork_in_child() -> None:
-    """A forked child lets go of its copies of the sender's store sockets, so the parent's port is
-    free once it closes (the child never uses them)."""
-    ports, _hosting[:] = list(_hosting), []
-    close_inherited(ports=ports)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _brief(exc: BaseException) -> str:

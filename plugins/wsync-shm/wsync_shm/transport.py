@@ -33,11 +33,11 @@ import subprocess
 import sys
 import time
 import uuid
-import weakref
 from collections.abc import Sequence
 
 import torch
 
+from wsync_core import forked
 from wsync_core import (
     Acked,
     Buffer,
@@ -128,7 +128,7 @@ class _Sender(SenderEndpoint):
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ)
         self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
-        _live.add(self)
+        forked.watch(self)
         reaper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
         self._reaper = subprocess.Popen([sys.executable, "-I", "-S", reaper], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, start_new_session=True)
@@ -150,7 +150,7 @@ class _Sender(SenderEndpoint):
         self._wakeup.set()
 
     def close(self) -> None:
-        _live.discard(self)
+        forked.unwatch(self)
         for slot in self._slots:
             slot.unlink()
             slot.close()
@@ -190,7 +190,7 @@ class _Sender(SenderEndpoint):
             self._listener = None
         self._wakeup.close()
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the sender's socket, pipe and slot
         descriptors, so the parent's close is not kept waiting and its channel's name is free;
         unlink nothing, tell no worker, leave the parent's locks and the mappings."""
@@ -611,15 +611,7 @@ class _Receiver(ReceiverEndpoint):
             self._sock = None
 
 
-_live: weakref.WeakSet[_Sender] = weakref.WeakSet()
 
-
-def _after_fork_in_child() -> None:
-    for sender in list(_live):
-        sender._forget_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShmTransport(Transport):

@@ -10,7 +10,6 @@ way and one waiting, and when it asks again it gets the newest.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.auth.thread
 from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
+from wsync_core import forked
 from wsync_core.forked import close_inherited
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
@@ -114,7 +114,7 @@ class ZmqSender(SenderBase):
         self._poller.register(self._monitor, zmq.POLLIN)
         bound = self.endpoint
         self._local = int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else bound[len("ipc://"):]
-        _live.add(self)
+        forked.watch(self)
 
     # -- sending ------------------------------------------------------------------------------
     prefix_publish = True  # a delivery sends ``buffer.payload``, the first ``used`` bytes
@@ -287,8 +287,14 @@ class ZmqSender(SenderBase):
         self._forget(w)
         self.emit(Left(w, reason))
 
+    def forget_in_child(self) -> None:
+        """A forked child never uses its parent's zmq sockets: it lets go of its copies of the
+        listening and accepted ones, so the parent's address is free as soon as the parent closes."""
+        local = self._local
+        close_inherited(ports=[local] if isinstance(local, int) else [], paths=[local] if isinstance(local, str) else [])
+
     def stop(self) -> None:
-        _live.discard(self)
+        forked.unwatch(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
         if context is None:
@@ -300,16 +306,3 @@ class ZmqSender(SenderBase):
         close_all(context, monitor, sock)
         self._waiting.clear()
 
-
-_live: weakref.WeakSet[ZmqSender] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child never uses its parent's zmq sockets: it lets go of its copies of their
-    listening and accepted sockets, so the parent's address is free as soon as the parent closes."""
-    local = [s._local for s in list(_live) if s._local is not None]
-    _live.clear()
-    close_inherited(ports=[p for p in local if isinstance(p, int)], paths=[p for p in local if isinstance(p, str)])
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
