@@ -246,6 +246,15 @@ SUBSET_SENDS = 6
 MEMORY_MIB, MEMORY_WARMUP, MEMORY_SENDS, MEMORY_BOUND = 2.0, 6, 40, 10
 
 
+def _no_left_after_joined(e: Endpoints, mark: int, what: str) -> None:
+    """Raise under "live" if worker 0's events since ``e.log[mark]`` have a Left after their last Joined."""
+    seq = [ev for ev in e.log[mark:] if ev.worker == 0 and not isinstance(ev, Acked)]
+    last = max(k for k, ev in enumerate(seq) if isinstance(ev, Joined))
+    if any(isinstance(ev, Left) for ev in seq[last:]):
+        raise violated("live", f"{what}: the sender endpoint reported {_names(seq)}: a Left after the new Joined "
+                               f"(the core takes the worker for gone, and every later send to it fails)")
+
+
 def _receive(e: Endpoints, i: int, version: int, *, check: bool = True, keep: bool = False) -> dict[str, Any]:
     """Receiver ``i`` receives (releasing and acking each delivery; with ``keep``, holding the one
     of ``version``) until it gets ``version``; each delivery holds the bytes published under its
@@ -532,12 +541,26 @@ class EndpointChecks:
         e.publish(1, [0])
         _receive(e, 0, 1)  # the sender polls meanwhile: a Left of the old connection would show by now
         e.poll(0.2)
-        seq = [ev for ev in e.log[mark:] if ev.worker == 0 and not isinstance(ev, Acked)]
-        last = max(k for k, ev in enumerate(seq) if isinstance(ev, Joined))
-        if any(isinstance(ev, Left) for ev in seq[last:]):
-            raise violated("live", f"worker 0 closed and opened again under its index: the sender endpoint reported "
-                                   f"{_names(seq)}: a Left after the new Joined (the core takes the worker for gone, "
-                                   f"and every later send to it fails)")
+        _no_left_after_joined(e, mark, "worker 0 closed and opened again under its index")
+        # again, with a publish before any poll: the sender first meets the new connection in
+        # publish(), and the old one's end after it (a transport that matched ends to
+        # connections by descriptor took the new one, which the kernel had given the same number)
+        mark = len(e.log)
+        e.workers[0].request("ep_close", 30.0).raise_for_error("receiver close()")
+        e.start_receiver(0)
+        e.finish_receiver(0).raise_for_error("the reopened receiver endpoint 0: open()")
+        # the receiver's own recv() (the sender does not poll meanwhile): it announces itself
+        e.workers[0].request("ep_recv", 30.0, timeout=0.3, keep=False).raise_for_error("recv()")
+        e.publish(2, [0])
+        e.events.clear()
+        e.wait_for(lambda ev: isinstance(ev, Joined), [0], "Joined for worker 0 back after a publish", pump=True)
+        what = "worker 0 closed and opened again under its index, then the sender published before it polled"
+        e.poll(0.2)
+        _no_left_after_joined(e, mark, what)
+        e.publish(3, [0])
+        _receive(e, 0, 3)
+        e.poll(0.2)
+        _no_left_after_joined(e, mark, what)
 
     @guarantee("live")
     def test_endpoint_sender_memory_bounded(self, wsync: Context) -> None:

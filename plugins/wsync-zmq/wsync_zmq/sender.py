@@ -82,6 +82,10 @@ class ZmqSender(SenderBase):
         self._peers: dict[int, _Peer] = {}
         self._workers: dict[bytes, int] = {}  # routing id -> worker
         self._waiting: dict[int, tuple[Buffer, bytes]] = {}  # worker -> the newest version it has not asked for yet
+        #: descriptor -> disconnect events still to come for connections no longer in ``_peers`` (each
+        #: removed without its own event: a goodbye, a replacement); the next ones on that descriptor are
+        #: theirs, not those of a newer connection the kernel gave the same number
+        self._owed: dict[int, int] = {}
         self._local: int | str | None = None  # the TCP port or ipc path it listens on
 
     @property
@@ -92,6 +96,7 @@ class ZmqSender(SenderBase):
     def start(self, deadline: Deadline) -> None:
         opts = self._options
         self._poller = zmq.Poller()
+        self._peers, self._workers, self._owed = {}, {}, {}  # (a sender opened again knows no one yet)
         self._context = zmq.Context()
         sock = self._sock = self._context.socket(zmq.ROUTER)
         configure(sock, opts, MAX_PEER_FRAME, rcvhwm=100, sndhwm=8, receives_payloads=False)
@@ -121,6 +126,7 @@ class ZmqSender(SenderBase):
 
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         """Each worker gets ``buffer`` when it asks; until then it waits, held, replacing an older one."""
+        self._read_monitor()  # before peers, as in poll: a connection's end is reported before a new hello
         self._read_peers()  # the wants that came in since the last poll
         for w in workers:
             if w not in self._peers:
@@ -196,14 +202,20 @@ class ZmqSender(SenderBase):
             kind = event["event"]
             log.debug("zmq sender: socket event %s (%s)", zmq.Event(kind).name, event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
-                gone = [(w, peer.rid) for w, peer in self._peers.items() if peer.fd == event["value"]]
+                fd = event["value"]
+                if self._owed.get(fd):  # the end of a connection already let go of
+                    self._owed[fd] -= 1
+                    if not self._owed[fd]:
+                        del self._owed[fd]
+                    continue
+                gone = [(w, peer.rid) for w, peer in self._peers.items() if peer.fd == fd]
                 if gone:
                     self._read_peers()  # what it sent before it left (its last ack) counts first
                 for w, rid in gone:
                     peer = self._peers.get(w)
                     if peer is not None and peer.rid == rid:  # (a new connection's hello keeps it)
                         self._drop(w, "its connection closed (peer exit, or no heartbeat within "
-                                      f"{self._options['heartbeat']:g} s)")
+                                      f"{self._options['heartbeat']:g} s)", ended=True)
             else:
                 log.warning("zmq sender refused a peer on %s: handshake failed (%s, errno %s)",
                             event["endpoint"].decode(errors="replace"), zmq.Event(kind).name, event["value"])
@@ -239,10 +251,11 @@ class ZmqSender(SenderBase):
                 log.warning("zmq sender: worker %d announced itself from a new connection; the old one is "
                             "dropped", w)
                 self._workers.pop(old.rid, None)
+                self._owe(old.fd)
                 self._tell(old.rid, REPLACED, f"worker {w}'s old connection")  # if a process still reads it
             stale = self._workers.get(rid)
             if stale is not None and stale != w:
-                self._drop(stale, f"its connection now claims worker {w}")
+                self._drop(stale, f"its connection now claims worker {w}", ended=True)  # (and lives on)
             self._forget(w)
             layout = self.ctx.layout
             self._peers[w] = _Peer(rid, fd, hello.digest == layout.digest and hello.nbytes == layout.nbytes)
@@ -280,12 +293,21 @@ class ZmqSender(SenderBase):
             if exc.errno != zmq.EHOSTUNREACH:
                 raise wrap(exc, f"writing to {whom}") from exc
 
-    def _drop(self, w: int, reason: str) -> None:
+    def _drop(self, w: int, reason: str, ended: bool = False) -> None:
+        """Report worker ``w`` gone; unless ``ended`` (its connection's end was read, or the
+        connection lives on as another worker), its disconnect event is still to come."""
         peer = self._peers.pop(w, None)
         if peer is not None:
             self._workers.pop(peer.rid, None)
+            if not ended:
+                self._owe(peer.fd)
         self._forget(w)
         self.emit(Left(w, reason))
+
+    def _owe(self, fd: int) -> None:
+        """A connection on ``fd`` was let go of before its disconnect event: skip that event."""
+        if fd >= 0:
+            self._owed[fd] = self._owed.get(fd, 0) + 1
 
     def forget_in_child(self) -> None:
         """A forked child never uses its parent's zmq sockets: it lets go of its copies of the
