@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from wsync_core import Buffer, Delivery, ReceiverContext, SenderContext, TransportError
 from wsync_core.inproc import InprocTransport, _Receiver, _Sender
-from wsync_core.transport import Joined
+from wsync_core.transport import Joined, Left
 
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "RenumberedHeader", "WrongWorker", "LeakedThread",
            "UnpickledPayload", "UnpicklesPlainData", "AcquireLastPublished", "OlderWins", "NeverLeft", "IgnoresRestart", "UncheckedSize",
@@ -796,6 +796,27 @@ class _LastAckLost(_Receiver):
         return super().recv(deadline)
 
 
+class _EndAfterPublish(_Sender):
+    """A worker's Left found by a publish (the new connection met first, the old one's end after
+    it, as zmq's sender matched ends by descriptor) is reported after its new Joined; with only
+    polls in between, events come in order."""
+
+    def __init__(self, transport, ctx: SenderContext) -> None:
+        super().__init__(transport, ctx)
+        self.published = False
+
+    def publish(self, buffer, header, workers) -> None:
+        self.published = True
+        super().publish(buffer, header, workers)
+
+    def poll(self, deadline):
+        events = super().poll(deadline)
+        if self.published:
+            events = [ev for ev in events if not isinstance(ev, Left)] + [ev for ev in events if isinstance(ev, Left)]
+        self.published = False
+        return events
+
+
 RingIgnoresHolders = _tooth("RingIgnoresHolders", "isolated", "test_endpoint_acquire_never_returns_a_buffer_in_use",
                             sender=_RingIgnoresHolders)
 EmptyIsNone = _tooth("EmptyIsNone", "exact", "test_exact_empty_model", receiver=_EmptyIsNone)
@@ -814,6 +835,7 @@ ChunkTail = _tooth("ChunkTail", "exact", "test_endpoint_a_large_payload_arrives_
 SpinningRecv = _tooth("SpinningRecv", "live", "test_endpoint_waits_sleep", receiver=_SpinningRecv)
 RaisesForGone = _tooth("RaisesForGone", "live", "test_endpoint_publish_skips_a_gone_worker", sender=_RaisesForGone)
 LastAckLost = _tooth("LastAckLost", "live", "test_endpoint_events_in_order", receiver=_LastAckLost)
+EndAfterPublish = _tooth("EndAfterPublish", "live", "test_endpoint_events_in_order", sender=_EndAfterPublish)
 DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
