@@ -494,8 +494,21 @@ class StreamSender(_Loop, SenderBase):
             log.warning("%s dropped %s: %s", self.what, _who(conn), reason)
         except (OSError, TransportError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            self._read_rest(conn)
         if reason is not None:
             self._drop(conn, reason)
+
+    def _read_rest(self, conn: _Conn) -> None:
+        """Before dropping a worker whose stream failed: handle the frames already there (a worker
+        that acked and closed while a payload was being written to it resets the connection, so
+        the write fails, but its last ack and goodbye are still there to read)."""
+        if conn.worker is None or conn.stream is None:
+            return
+        try:
+            for f in self._read(conn):
+                self._frame(conn, f)
+        except (EOFError, OSError, Violation, TransportError):
+            pass  # the end, or what made the write fail: the drop that follows says why
 
     def _accept(self) -> None:
         try:
@@ -550,6 +563,7 @@ class StreamSender(_Loop, SenderBase):
                 if not conn.out:
                     self._guard(conn, lambda: self._written(conn))  # may queue the pending delivery
             if failure is not None:
+                self._read_rest(conn)
                 self._drop(conn, failure)
             elif conn.stream is not None:
                 self._watch(conn)

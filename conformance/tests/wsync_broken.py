@@ -766,6 +766,21 @@ class _RaisesForGone(_Sender):
         super().publish(buffer, header, workers)
 
 
+class _DropsOnFailedWrite(_Sender):
+    """publish() to a worker that has closed since the last poll "fails to write" and drops it,
+    forgetting what it sent before closing: its last ack is lost, and its Left reported."""
+
+    def publish(self, buffer, header, workers):
+        channel = self.channel
+        with channel.cond:
+            for w in workers:
+                if w not in channel.receivers:
+                    kept = [ev for ev in channel.events if ev.worker != w or isinstance(ev, Left)]
+                    channel.events.clear()
+                    channel.events.extend(kept)
+        super().publish(buffer, header, workers)
+
+
 class _DeafToWake(_Receiver):
     """wake() does nothing: a recv() waiting in another thread runs on to its deadline, so a
     shutdown() from another thread waits out the worker's receive(timeout=...)."""
@@ -836,6 +851,8 @@ SpinningRecv = _tooth("SpinningRecv", "live", "test_endpoint_waits_sleep", recei
 RaisesForGone = _tooth("RaisesForGone", "live", "test_endpoint_publish_skips_a_gone_worker", sender=_RaisesForGone)
 LastAckLost = _tooth("LastAckLost", "live", "test_endpoint_events_in_order", receiver=_LastAckLost)
 EndAfterPublish = _tooth("EndAfterPublish", "live", "test_endpoint_events_in_order", sender=_EndAfterPublish)
+DropsOnFailedWrite = _tooth("DropsOnFailedWrite", "live", "test_endpoint_ack_then_close_while_publishing",
+                            sender=_DropsOnFailedWrite)
 DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)

@@ -485,6 +485,8 @@ def serve(conn, process: bool) -> None:
             elif cmd == "ep_close":
                 if not msg.get("keep", False):
                     endpoint.release()
+                if "ack" in msg:  # acked right before closing, in one request: no round trip between
+                    endpoint.endpoint.ack(base64.b64decode(msg["ack"]))
                 t0 = time.monotonic()
                 endpoint.endpoint.close()
                 reply = {"closed": True, "took": time.monotonic() - t0}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import hashlib
+import json
 import os
 import pickle
 import threading
@@ -561,6 +562,36 @@ class EndpointChecks:
         _receive(e, 0, 3)
         e.poll(0.2)
         _no_left_after_joined(e, mark, what)
+
+    @guarantee("live")
+    def test_endpoint_ack_then_close_while_publishing(self, wsync: Context) -> None:
+        """A worker that acks and closes at once while the sender publishes to it still has its ack
+        reported before its Left: once with a payload of 20 MiB being written to it (the close
+        resets a connection with bytes unread, so the sender's next write fails), once with a
+        publish to it after it closed and before the sender polled. A sender that drops a worker
+        when a write fails, without reading what it sent first, loses the ack: the worker applied
+        the version, and the send waiting for it fails."""
+        spec = ModelSpec("state_dict", (TensorSpec("w", ((20 << 20) // 4,), "float32"),))
+        for round_, first in enumerate(("a payload being written to it", "a publish after it closed")):
+            e = Endpoints(wsync, 1, spec)
+            e.connect()
+            e.events.clear()
+            mark = len(e.log)
+            ack = json.dumps({"round": round_}).encode()
+            if round_ == 0:
+                e.publish(1, [0])
+            e.workers[0].request("ep_close", 30.0, ack=base64.b64encode(ack).decode()).raise_for_error(
+                "receiver ack() then close()")
+            if round_ == 1:
+                e.publish(1, [0])
+            e.wait_for(lambda ev: isinstance(ev, Left), [0], f"Left after the receiver acked and closed ({first})")
+            seq = [ev for ev in e.log[mark:] if ev.worker == 0]
+            left = next(k for k, ev in enumerate(seq) if isinstance(ev, Left))
+            if ack not in [ev.data for ev in seq[:left] if isinstance(ev, Acked)]:
+                raise violated("live", f"worker 0 acked {ack!r} and closed at once, with {first}: the sender "
+                                       f"endpoint reported {_names(seq)} without that ack before its Left: an ack "
+                                       f"sent just before closing is lost when a write to the worker fails")
+            e.sender.close()
 
     @guarantee("live")
     def test_endpoint_sender_memory_bounded(self, wsync: Context) -> None:

@@ -81,7 +81,7 @@ def _slot_path(name: str, token: str, index: int) -> str:
 class _Conn:
     """A receiver's connection as the sender sees it."""
 
-    __slots__ = ("sock", "worker", "reader", "out", "pid")
+    __slots__ = ("sock", "worker", "reader", "out", "pid", "reading")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -89,6 +89,7 @@ class _Conn:
         self.reader = FRAMING.reader("a shm receiver", accept=[Kind.HELLO])
         self.out = bytearray()
         self.pid = wire.peer_pid(sock)
+        self.reading = False  # its frames are being handled (a send that fails meanwhile reads no more)
 
 
 class _Sender(SenderEndpoint):
@@ -280,10 +281,10 @@ class _Sender(SenderEndpoint):
             if key.data is None:  # the wake-up: left readable, so later waits end at once too
                 continue
             conn: _Conn = key.data
-            if mask & selectors.EVENT_WRITE:
-                self._send(conn, b"")
-            if mask & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+            if mask & selectors.EVENT_READ:  # first: what a worker sent before a write to it fails
                 self._read(conn)
+            if mask & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
+                self._send(conn, b"")
 
     def _accept(self) -> None:
         while True:
@@ -308,6 +309,7 @@ class _Sender(SenderEndpoint):
             return self._drop(conn, f"connection failed: {exc}")
         if not data:
             return self._drop(conn, "connection closed (the worker shut down or died)")
+        conn.reading = True
         try:
             for frame in conn.reader.feed(data):
                 if frame.kind == Kind.HELLO:
@@ -321,16 +323,15 @@ class _Sender(SenderEndpoint):
                     return
         except TransportError as exc:
             return self._drop(conn, f"protocol violation: {exc}")
+        finally:
+            conn.reading = False
 
     def _hello(self, conn: _Conn, w: int) -> None:
         if not 0 <= w < self._num_workers:
             return self._refuse(conn, f"worker_idx {w} is out of range: this sender has {self._num_workers} workers")
         old = self._conns.get(w)
-        # a worker that restarted: its old connection may have closed already, behind acks not read yet
-        for _ in range(_DRAIN_READS):
-            if old is None or self._conns.get(w) is not old or not select.select([old.sock], [], [], 0)[0]:
-                break
-            self._read(old)
+        if old is not None:  # a worker that restarted: its old connection may have closed already, behind acks not read yet
+            self._read_rest(old)
         if self._conns.get(w) is not None:
             return self._refuse(conn, f"worker {w} is already connected (process {self._conns[w].pid})")
         conn.worker = w
@@ -356,7 +357,7 @@ class _Sender(SenderEndpoint):
             except BlockingIOError:
                 sent = 0
             except OSError as exc:
-                return self._drop(conn, f"connection failed: {exc}")
+                return self._lost(conn, f"connection failed: {exc}")
             if sent == len(data):
                 return
             data = data[sent:]
@@ -365,10 +366,25 @@ class _Sender(SenderEndpoint):
         try:
             wire.send_some(conn.sock, conn.out)
         except OSError as exc:
-            return self._drop(conn, f"connection failed: {exc}")
+            return self._lost(conn, f"connection failed: {exc}")
         if bool(conn.out) != had:
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
             self._selector.modify(conn.sock, events, conn)
+
+    def _read_rest(self, conn: _Conn) -> None:
+        """Read what ``conn`` holds, up to its end (at most ``_DRAIN_READS`` reads): acks a worker
+        sent before its connection closed count before its Left."""
+        for _ in range(_DRAIN_READS):
+            if conn.sock.fileno() < 0 or not select.select([conn.sock], [], [], 0)[0]:
+                return
+            self._read(conn)
+
+    def _lost(self, conn: _Conn, reason: str) -> None:
+        """A send to ``conn`` failed (the worker closed, resetting the connection): read what it
+        sent before (its last ack), then drop it."""
+        if not conn.reading:
+            self._read_rest(conn)
+        self._drop(conn, reason)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
         if conn.sock.fileno() < 0:
