@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import threading
 import time
 
 __all__ = ["Deadline", "POLL", "Wakeup"]
@@ -63,28 +64,35 @@ class Wakeup:
     """What ``wake()`` needs in an endpoint that waits in ``select`` or ``poll``: a flag that stays
     set, and an eventfd (``fd``, from ``open()`` to ``close()``) that the wait also watches."""
 
-    __slots__ = ("is_set", "fd")
+    __slots__ = ("is_set", "fd", "_lock")
 
     def __init__(self) -> None:
         self.is_set = False
         self.fd = -1
+        self._lock = threading.Lock()  # set() never writes to a number close() gave back (and another file took)
 
     def open(self) -> int:
         """Make the eventfd (readable at once if ``set`` came first) and return it."""
-        self.fd = os.eventfd(1 if self.is_set else 0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        return self.fd
+        with self._lock:
+            self.fd = os.eventfd(1 if self.is_set else 0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            return self.fd
 
     def set(self) -> None:
         """Set the flag and make ``fd`` readable, from any thread; stays set."""
-        self.is_set = True
-        if self.fd >= 0:
-            try:
+        with self._lock:
+            self.is_set = True
+            if self.fd >= 0:
                 os.eventfd_write(self.fd, 1)
-            except OSError:  # closed meanwhile: nothing waits on it any more
-                pass
 
     def close(self) -> None:
         """Close the eventfd; idempotent (the flag stays as it is)."""
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
+        with self._lock:
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copy of the eventfd (the lock may have been
+        held by another thread of the parent when it forked: it is made anew)."""
+        self._lock = threading.Lock()
+        self.close()

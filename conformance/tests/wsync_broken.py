@@ -1061,3 +1061,25 @@ if TcpTransport is not None:
     __all__ += ["FallsBackToNoAuth"]
 
 __all__ += ["StaleQueued"]
+
+try:  # a tooth on plugins/wsync-shm (processes on one host, a worker's end seen as its socket's end)
+    from wsync_shm.transport import ShmTransport
+    from wsync_shm.transport import _Receiver as _ShmReceiver
+except ImportError:  # pragma: no cover - wsync-shm is part of this repository
+    ShmTransport = None
+
+if ShmTransport is not None:
+
+    class _ChildKeepsConnection(_ShmReceiver):
+        """A forked child keeps its copy of the worker's connection: when the worker shuts down,
+        the sender never sees its end, and refuses it back under its index."""
+
+        def forget_in_child(self) -> None:
+            pass
+
+    ChildKeepsConnection = type("ChildKeepsConnection", (ShmTransport,), {
+        "name": "childkeepsconnection", "receiver": lambda self, ctx: _ChildKeepsConnection(self, ctx),
+        "__module__": __name__})
+    BROKEN["ChildKeepsConnection"] = "live"
+    SELECT["ChildKeepsConnection"] = "test_live_worker_with_a_forked_child_comes_back"
+    __all__ += ["ChildKeepsConnection"]

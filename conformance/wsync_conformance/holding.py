@@ -90,6 +90,11 @@ def _serve_child(conn: Any, model: torch.nn.Module) -> None:
         conn.send_bytes(repr(digests(model)).encode())
 
 
+#: this runner's forked children, with the pipe each answers on (they outlive a session: a worker
+#: that shuts down and opens again keeps them)
+_CHILDREN: list[tuple[int, Any]] = []
+
+
 def _scene_fork(s: Any, share: bool = False) -> dict[str, Any]:
     """Fork a child that holds the policy (after ``share_memory()`` when ``share``), as
     ``os.fork`` does for DataLoader workers and env pools."""
@@ -108,13 +113,13 @@ def _scene_fork(s: Any, share: bool = False) -> dict[str, Any]:
         finally:
             os._exit(code)
     child.close()
-    s.children = getattr(s, "children", []) + [(pid, parent)]
+    _CHILDREN.append((pid, parent))
     return {"pid": pid}
 
 
 def _scene_child(s: Any) -> dict[str, Any]:
     """The newest child's digests of its policy, and whether the worker's policy is still shared."""
-    pid, conn = s.children[-1]
+    pid, conn = _CHILDREN[-1]
     conn.send_bytes(b"?")
     if not conn.poll(60):
         raise TimeoutError(f"forked child {pid} gave no digests within 60 s")
@@ -124,7 +129,7 @@ def _scene_child(s: Any) -> dict[str, Any]:
 
 def _scene_end_children(s: Any) -> dict[str, Any]:
     """Let every forked child exit, and reap it."""
-    for pid, conn in getattr(s, "children", []):
+    for pid, conn in _CHILDREN:
         conn.close()
         deadline = time.monotonic() + 30
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
@@ -133,7 +138,7 @@ def _scene_end_children(s: Any) -> dict[str, Any]:
                 os.waitpid(pid, 0)
                 break
             time.sleep(0.01)
-    s.children = []
+    _CHILDREN.clear()
     return {}
 
 

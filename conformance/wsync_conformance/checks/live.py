@@ -140,6 +140,32 @@ class LiveChecks:
         s.check(s.send())
 
     @guarantee("live")
+    @capability("late_join")
+    def test_live_worker_with_a_forked_child_comes_back(self, wsync: Context) -> None:
+        """A worker forks a child after connect() (an env pool, a DataLoader worker), then shuts
+        down while the child lives, and comes back under its index: it connects and is served. A
+        transport whose forked child keeps the worker's connection open leaves the sender seeing
+        the worker as still there: it refuses the worker back, or waits for a worker that is gone."""
+        wsync.require("late_join")
+        wsync.require("processes")  # a fork copies the whole process: receivers must be processes
+        s = wsync.session(version_spec(), n=1)
+        fill_version(s.model, 1)
+        s.check(s.send())
+        s.workers[0].scene("fork")
+        try:
+            s.workers[0].call("shutdown").raise_for_error("receiver shutdown()")
+            s.workers[0].open(s.scheme, s.spec, wsync.device, 0)
+            reply = s.workers[0].call("connect", timeout=wsync.timeout)
+            if reply.error:
+                raise violated("live", f"worker 0 shut down while a child it forked after connect() lived, then "
+                                       f"connected again under its index: {reply.error}: {reply.get('message')}")
+            for v in (2, 3):
+                fill_version(s.model, v)
+                s.check(s.send(), guarantee="live")
+        finally:
+            s.workers[0].scene("end_children")
+
+    @guarantee("live")
     @capability("sender_restart")
     def test_live_sender_restarted_on_its_address(self, wsync: Context) -> None:
         """The sender shuts down and a new one is built from its pickled scheme (the same options:

@@ -449,7 +449,7 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         if self.selector is not None:
             self.selector.close()
-        self.wakeup.close()
+        self.wakeup.forget_in_child()
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()

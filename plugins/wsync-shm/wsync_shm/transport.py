@@ -199,6 +199,7 @@ class _Sender(SenderEndpoint):
             slot.forget_in_child()
         self._slots = []
         self._buffers = []
+        self._wakeup.forget_in_child()
         self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
@@ -432,6 +433,7 @@ class _Receiver(ReceiverEndpoint):
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
         self._selector.register(self._wakeup.open(), selectors.EVENT_READ)
+        forked.watch(self)  # a child forked from here on lets go of its copy of the connection
 
     def _dial(self) -> socket.socket | None:
         """A connection to the sender on this name, hello said; None if none listens there."""
@@ -625,9 +627,20 @@ class _Receiver(ReceiverEndpoint):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        forked.unwatch(self)
 
-
-
+    def forget_in_child(self) -> None:
+        """In a forked child (an env pool, a DataLoader worker): close this process's copies of
+        the connection, the selector and the wake-up, so the sender sees the worker's end when the
+        worker closes (and takes it back under its index). The slots stay: a child that views a
+        version keeps it pinned (their locks go with the last copy)."""
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        self._wakeup.forget_in_child()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 class ShmTransport(Transport):
