@@ -454,3 +454,47 @@ def test_a_worker_whose_stream_broke_reports_it_then_connects_again() -> None:
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+class FailingSinkPipeTransport(PipeTransport):
+    """PipeTransport whose receivers, once ``fail`` is set, cannot allocate a payload's buffer
+    (an out-of-memory error in the I/O thread)."""
+
+    name = "failing-sink-pipes"
+    fail = [False]
+
+    def receiver(self, ctx: ReceiverContext) -> StreamReceiver:
+        endpoint, fail = super().receiver(ctx), self.fail
+        plain = endpoint._target
+
+        def target(size: int) -> torch.Tensor | None:
+            if fail[0]:
+                raise RuntimeError("DefaultCPUAllocator: not enough memory")
+            return plain(size)
+
+        endpoint._target = target
+        return endpoint
+
+
+def test_an_error_in_the_receivers_io_thread_is_raised_by_receive() -> None:
+    """An unexpected error in a worker's I/O thread (an allocation that fails) is raised by its
+    next receive(), naming it; before, the thread died silently and the worker waited for ever."""
+    FailingSinkPipeTransport.fail[0] = False
+    model, theirs, sender, receiver = connected_pair(FailingSinkPipeTransport, 64)
+    try:
+        FailingSinkPipeTransport.fail[0] = True
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        sender.send_async()
+        deadline = time.monotonic() + 30
+        error = None
+        while error is None and time.monotonic() < deadline:
+            try:
+                receiver.receive(timeout=0.5)
+            except TransportError as exc:
+                error = str(exc)
+        assert error is not None and "I/O thread failed" in error and "not enough memory" in error, error
+    finally:
+        FailingSinkPipeTransport.fail[0] = False
+        receiver.shutdown()
+        sender.shutdown()
