@@ -134,6 +134,7 @@ class DistributedSender(SenderBase):
         self.acquired: Buffer | None = None  # the buffer last acquired, unless abandoned half-written
         self.stream: _Stream | None = None  # ready() called, the core not done with it yet
         self.closing = False
+        self.failure: str | None = None  # why the event reader stopped before close: publishes raise it
         self.store: dist.Store | None = None
         self.marks: dist.Store | None = None  # the core's thread's store client: the published numbers
         self.sock: socket.socket | None = None
@@ -141,6 +142,7 @@ class DistributedSender(SenderBase):
 
     # -- the core's calls ------------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
+        self.failure = None
         self.store, self.sock = wire.listen(self.cfg)
         forked.watch(self)
         self.marks = wire.clone(self.store, timedelta(seconds=self.cfg.timeout))
@@ -192,6 +194,8 @@ class DistributedSender(SenderBase):
     def deliver(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
         """The core published ``buffer`` to ``workers``: a lane streaming it commits it once sent;
         the others get it whole, header first (called with ``cond`` held)."""
+        if self.failure is not None:
+            raise TransportError(f"distributed sender: {self.failure}")
         if len(header) > wire.MAX_HEADER:
             raise TransportError(f"distributed: a header of {len(header)} bytes exceeds this transport's limit of "
                                  f"{wire.MAX_HEADER} bytes (the store carries it)")
@@ -375,6 +379,24 @@ class DistributedSender(SenderBase):
 
     # -- the event reader --------------------------------------------------------------------
     def _read_events(self, store: dist.Store) -> None:
+        """Read joins, acks and goodbyes until close; if it must stop before, give every worker up
+        saying why (a send then fails at once, naming it, instead of waiting for acks never read)."""
+        try:
+            self._read_events_until_closed(store)
+        except Exception as exc:  # noqa: BLE001 - reported to the user below, from every send
+            log.exception("distributed sender: the event reader failed")
+            self._reader_failed(f"{type(exc).__name__}: {wire.brief(exc)}", store)
+
+    def _reader_failed(self, reason: str, store: dist.Store) -> None:
+        with self.cond:
+            if self.closing:
+                return
+            self.failure = f"its event reader stopped ({reason}): no join or ack can be read"
+            lanes = list(self.lanes.values())
+        for lane in lanes:
+            self._lose(lane, self.failure, store)
+
+    def _read_events_until_closed(self, store: dist.Store) -> None:
         while True:
             try:
                 raw = store.queue_pop(wire.EVENTS, True)
@@ -382,7 +404,7 @@ class DistributedSender(SenderBase):
                 if isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower() and not self.closing:
                     continue
                 if not self.closing:
-                    log.warning("distributed sender: event reader stopped: %s", wire.brief(exc))
+                    self._reader_failed(wire.brief(exc), store)
                 return
             try:
                 kind, w, data = wire.decode_event(raw)
