@@ -159,7 +159,9 @@ class _Sender(SenderEndpoint):
         self._buffers = []
         self._acquired = self._latest = None
         for conn in self._conns.values():  # a clean end, which the workers do not report as an error
-            with contextlib.suppress(OSError):  # (a worker whose socket is full sees end of file instead)
+            if conn.out:  # never into a half-sent frame: that worker sees end of file instead
+                continue
+            with contextlib.suppress(OSError):  # (so does a worker whose socket is full)
                 conn.sock.send(FRAMING.encode(Kind.BYE))
         self._close_sockets()
         if self._reaper is not None:
