@@ -278,7 +278,6 @@ class _Loop:
         """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made)."""
         if self.selector is None:
             return
-        forked.unwatch(self)
         self._kick()
         if self.thread is not None:
             self.thread.join(30.0)
@@ -425,6 +424,7 @@ class StreamSender(_Loop, SenderBase):
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     def _streams(self) -> list[Any]:
         conns = [c.stream for c in [*self.conns.values(), *self.strangers] if c.stream is not None]
@@ -737,6 +737,7 @@ class StreamReceiver(_Loop, ReceiverBase):
     def stop(self) -> None:
         self._teardown()  # the I/O thread says goodbye to the sender on its way out
         self._spare.clear()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         """The newest delivery, waiting for one until the deadline; None if none came. If something

@@ -116,7 +116,6 @@ class AckServer:
         if self._stop:
             return
         self._stop = True
-        forked.unwatch(self)
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -127,6 +126,7 @@ class AckServer:
             sock.close()
         self._conns.clear()
         self._sel.close()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     def _run(self) -> None:
         while not self._stop:
@@ -235,9 +235,9 @@ class AckLink:
 
     def close(self) -> None:
         """End the connection after the acks sent (the sender reads them, then its end)."""
-        forked.unwatch(self)
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         self.sock.close()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open

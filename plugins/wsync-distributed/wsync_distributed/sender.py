@@ -229,7 +229,6 @@ class DistributedSender(SenderBase):
         close_inherited(ports=[self.cfg.port])
 
     def stop(self) -> None:
-        forked.unwatch(self)
         with self.cond:
             self._end_stream()
             self.closing = True
@@ -259,6 +258,7 @@ class DistributedSender(SenderBase):
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     # -- buffers and streams ---------------------------------------------------------------
     def _end_stream(self) -> None:

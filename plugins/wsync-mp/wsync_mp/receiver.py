@@ -205,7 +205,6 @@ class MpReceiver(ReceiverEndpoint):
         if self.closing:
             return
         self.closing = True
-        forked.unwatch(self)
         if self.sock is not None:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)  # the sender sees Left at once
@@ -215,6 +214,7 @@ class MpReceiver(ReceiverEndpoint):
             self.selector.close()
         self.wakeup.close()
         self._release_fds()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     # -- connection set-up --------------------------------------------------------------------
     def _redial(self, deadline: Deadline) -> bool:

@@ -204,11 +204,11 @@ class MpSender(SenderEndpoint):
                 return
             self.closing = True
             self.cond.notify_all()
-        forked.unwatch(self)
         if self.thread is not None:
             self._wake()
             self.thread.join(10.0)
         self._release_fds(goodbye=True)
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     # -- helpers -----------------------------------------------------------------------------
     def _bind(self, listener: socket.socket) -> None:

@@ -151,7 +151,6 @@ class _Sender(SenderEndpoint):
         self._wakeup.set()
 
     def close(self) -> None:
-        forked.unwatch(self)
         for slot in self._slots:
             slot.unlink()
             slot.close()
@@ -176,6 +175,7 @@ class _Sender(SenderEndpoint):
             except subprocess.TimeoutExpired:
                 reaper.kill()
                 reaper.wait()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     def _close_sockets(self) -> None:
         """Close this process's copies of the workers' connections, the selector and the listener."""

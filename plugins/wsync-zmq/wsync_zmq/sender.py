@@ -316,15 +316,14 @@ class ZmqSender(SenderBase):
         close_inherited(ports=[local] if isinstance(local, int) else [], paths=[local] if isinstance(local, str) else [])
 
     def stop(self) -> None:
-        forked.unwatch(self)
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
-        if context is None:
-            return
-        if monitor is not None:
-            sock.disable_monitor()
-        if auth is not None:
-            auth.stop()
-        close_all(context, monitor, sock)
+        if context is not None:
+            if monitor is not None:
+                sock.disable_monitor()
+            if auth is not None:
+                auth.stop()
+            close_all(context, monitor, sock)
         self._waiting.clear()
+        forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
