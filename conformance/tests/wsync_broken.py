@@ -1038,6 +1038,15 @@ if TcpTransport is not None:
     SELECT["ListensEverywhere"] = "test_safe_binds_loopback"
     __all__ += ["ListensEverywhere"]
 
+    def _trusts_the_wire(self, **options) -> None:  # its default: no checksum ("TCP checks its bytes")
+        TcpTransport.__init__(self, **{"checksum": False, **options})
+
+    TrustsTheWire = type("TrustsTheWire", (TcpTransport,), {"name": "truststhewire", "__init__": _trusts_the_wire,
+                                                            "__module__": __name__})
+    BROKEN["TrustsTheWire"] = "exact"
+    SELECT["TrustsTheWire"] = "test_capability_multi_host"
+    __all__ += ["TrustsTheWire"]
+
     class _FallsBackToNoAuth(_TcpReceiver):
         """Holds an authkey and proves it when challenged, but takes a sender that has not
         challenged it within 0.2 s for one without authentication (a "compatibility" fallback):

@@ -171,7 +171,9 @@ class CapabilityChecks:
     @budget(timeouts=2)
     def test_capability_multi_host(self, wsync: Context) -> None:
         """A receiver in another network namespace (another "host", joined by a bridge) connects
-        to a sender listening on its bridge address and applies every version exactly."""
+        to a sender listening on its bridge address and applies every version exactly. With the
+        options a user gives across hosts, a CPU model's payloads are checksummed (``checksum``):
+        TCP's own 16-bit checksum lets some damage through, which would be applied silently."""
         wsync.require("multi_host")
         hook = transport_hook(self, wsync, "multi_host_options", "multi_host", "(self, host_address: str) -> dict",
                      "options for a sender listening on host_address, reachable from another network namespace")
@@ -185,6 +187,10 @@ class CapabilityChecks:
             with watchdog.paused():
                 extra = dict(stack.enter_context(setup(here, there))) if setup is not None else {}
             target = Target(wsync.target.transport, {**wsync.target.options, **dict(hook(here.address)), **extra})
+            if wsync.device == "cpu" and not (made := target.make()).checksum:
+                raise violated("exact", f"across hosts ({made!r}), the transport does not checksum "
+                                        f"payloads: damage that TCP's 16-bit checksum misses is applied silently; "
+                                        f"a transport whose bytes cross a network checksums them by default")
             local = WeightSyncScheme(target.make(), timeout=wsync.timeout)
             local.init_on_sender(model=build(spec), num_workers=1)  # resolves the options receivers need
             copy = pickle.loads(pickle.dumps(local))
