@@ -424,6 +424,18 @@ class GarblingPipeTransport(PipeTransport):
         return endpoint
 
 
+def _receive_errors(receiver: WeightSyncScheme, done: Callable[[list[str]], bool]) -> list[str]:
+    """Receive, half a second at a time, until ``done(errors)`` or 30 s; the TransportErrors raised."""
+    errors: list[str] = []
+    deadline = time.monotonic() + 30
+    while not done(errors) and time.monotonic() < deadline:
+        try:
+            receiver.receive(timeout=0.5)
+        except TransportError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def test_a_worker_whose_stream_broke_reports_it_then_connects_again() -> None:
     """A stream that goes out of step (a frame that is not one) raises TransportError naming it
     from the worker's next receive, and the worker connects again by itself: the next version
@@ -437,13 +449,7 @@ def test_a_worker_whose_stream_broke_reports_it_then_connects_again() -> None:
         with torch.no_grad():
             model.weight.add_(1.0)
         handle = sender.send_async()
-        errors = []
-        deadline = time.monotonic() + 30
-        while receiver.version < 1 and time.monotonic() < deadline:
-            try:
-                receiver.receive(timeout=0.5)
-            except TransportError as exc:
-                errors.append(str(exc))
+        errors = _receive_errors(receiver, lambda errors: receiver.version >= 1)
         assert any("not a wsync stream" in e for e in errors), errors
         assert torch.equal(model.weight, theirs.weight)  # version 1 came again, whole, on the new connection
         with torch.no_grad():
@@ -486,14 +492,8 @@ def test_an_error_in_the_receivers_io_thread_is_raised_by_receive() -> None:
         with torch.no_grad():
             model.weight.add_(1.0)
         sender.send_async()
-        deadline = time.monotonic() + 30
-        error = None
-        while error is None and time.monotonic() < deadline:
-            try:
-                receiver.receive(timeout=0.5)
-            except TransportError as exc:
-                error = str(exc)
-        assert error is not None and "I/O thread failed" in error and "not enough memory" in error, error
+        errors = _receive_errors(receiver, lambda errors: bool(errors))
+        assert errors and "I/O thread failed" in errors[0] and "not enough memory" in errors[0], errors
     finally:
         FailingSinkPipeTransport.fail[0] = False
         receiver.shutdown()

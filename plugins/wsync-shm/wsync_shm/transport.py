@@ -622,13 +622,8 @@ class _Receiver(ReceiverEndpoint):
         for slot in self._slots.values():
             slot.close()
         self._slots.clear()
-        if self._selector is not None:
-            self._selector.close()
-            self._selector = None
         self._wakeup.close()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._hang_up()
         forked.unwatch(self)
 
     def forget_in_child(self) -> None:
@@ -636,10 +631,14 @@ class _Receiver(ReceiverEndpoint):
         the connection, the selector and the wake-up, so the sender sees the worker's end when the
         worker closes (and takes it back under its index). The slots stay: a child that views a
         version keeps it pinned (their locks go with the last copy)."""
+        self._wakeup.forget_in_child()
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Close the selector and the connection (this process's copies)."""
         if self._selector is not None:
             self._selector.close()
             self._selector = None
-        self._wakeup.forget_in_child()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
