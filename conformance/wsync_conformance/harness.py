@@ -255,12 +255,13 @@ class _Endpoint:
         from wsync_core.protocol import Ack, Header
 
         from .models import payload_digest
+        from .resources import demand_s
 
-        t0, c0 = time.monotonic(), time.process_time()
+        t0, c0 = time.monotonic(), demand_s()
         d = self.endpoint.recv(Deadline(timeout))
         took = time.monotonic() - t0
         if d is None:
-            return {"delivery": None, "took": took, "cpu": time.process_time() - c0}
+            return {"delivery": None, "took": took, "cpu": demand_s() - c0}
         out = {"delivery": {"header": base64.b64encode(bytes(d.header)).decode(), "size": int(d.payload.numel()),
                             "dtype": str(d.payload.dtype), "adoptable": bool(d.adoptable),
                             "digest": payload_digest(d.payload), "expected_size": self.nbytes}, "took": took}
