@@ -163,9 +163,10 @@ def floor_rounds(actors: list, nbytes: int, repeat: int) -> tuple[list[float], l
     return per_receiver, one
 
 
-def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]]) -> list[float]:
+def run_wsync(nbytes: int, n: int, repeat: int, floor: dict[str, list[float]], **options: Any) -> list[float]:
+    """``send()`` latencies of the ray transport with ``options`` (default: as users run it)."""
     model = build_model(nbytes)
-    scheme = WeightSyncScheme("ray", timeout=600.0)
+    scheme = WeightSyncScheme("ray", timeout=600.0, **options)
     actors = [WsyncWorker.remote(scheme, i, nbytes) for i in range(n)]
     scheme.init_on_sender(model=model, num_workers=n)
     try:
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64,512", help="payload sizes in MiB, comma-separated (default 64,512)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--systems", default="wsync,torchrl")
+    parser.add_argument("--systems", default="wsync,torchrl",
+                        help="wsync (its defaults), wsync-unchecked (checksum=False), torchrl; comma-separated")
     parser.add_argument("--store", type=int, default=4,
                         help="object store size in multiples of the largest size (default 4)")
     parser.add_argument("--json", default=None, help="write the figures here")
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             measured = {}
             if "wsync" in systems:
                 measured["wsync ray"] = run_wsync(nbytes, args.workers, args.repeat, floor)
+            if "wsync-unchecked" in systems:
+                measured["wsync ray, checksum=False"] = run_wsync(nbytes, args.workers, args.repeat,
+                                                                  {"per_receiver": [], "one": []}, checksum=False)
             if "torchrl" in systems:
                 try:
                     measured["TorchRL RayWeightSyncScheme"] = run_torchrl(nbytes, args.workers, args.repeat)
