@@ -25,14 +25,15 @@ class TestRay(TransportSuite):
         return Target(self.transport, {"address": ray_head.address})
 
     def multi_host_options(self, host_address: str) -> dict:
-        """The cluster's address, once ``multi_host_setup`` started it; a check across hosts that
+        """The cluster's address, once ``multi_host_setup`` started it, and checksums on (across
+        nodes users turn them on: Ray checks no object's bytes end to end); a check across hosts that
         does not enter that hook first is skipped (ray's hosts are Ray nodes, which
         the transport cannot start from options alone)."""
         address = getattr(self, "_cluster_address", None)
         if address is None:
             pytest.skip("ray's hosts are nodes of one Ray cluster: a check across hosts must enter the suite's "
                         "multi_host_setup(here, *others) hook, which starts a Ray node on each")
-        return {"address": address}
+        return {"address": address, "checksum": True}  # across nodes, as the README tells users
 
     @contextmanager
     def multi_host_setup(self, here: Host, *others: Host) -> Iterator[dict]:
