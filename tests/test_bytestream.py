@@ -131,9 +131,11 @@ class _Listener:
     counts the connects waiting (a semaphore: each accept() takes one, and it stays readable while
     more wait, as a listening socket does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
         self.waiting: list[int] = []
         self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC | os.EFD_SEMAPHORE)
+        _listeners[channel] = self
 
     def fileno(self) -> int:
         return self.bell
@@ -143,6 +145,10 @@ class _Listener:
         return _Pipe(self.waiting.pop(0)), None
 
     def close(self) -> None:
+        """Stop listening: a receiver connecting later is refused, as by a closed socket (one of
+        the next test on the same channel must not reach this one)."""
+        if _listeners.get(self.channel) is self:
+            del _listeners[self.channel]
         os.close(self.bell)
 
     def connect(self) -> _Pipe:
@@ -170,8 +176,7 @@ class PipeTransport(Transport):
 
         class Sender(StreamSender):
             def listen(self) -> _Listener:
-                _listeners[channel] = _Listener()
-                return _listeners[channel]
+                return _Listener(channel)
 
         return Sender("pipes sender", ctx)
 
@@ -180,9 +185,10 @@ class PipeTransport(Transport):
 
         class Receiver(StreamReceiver):
             def connect(self, timeout: float) -> _Pipe:
-                if channel not in _listeners:
-                    raise ConnectionRefusedError("no sender yet")
-                return _listeners[channel].connect()
+                listener = _listeners.get(channel)
+                if listener is None:
+                    raise ConnectionRefusedError("no sender listens")
+                return listener.connect()
 
         return Receiver(f"pipes worker {ctx.worker_idx}", ctx)
 
