@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import random
+import re
 import signal
 import threading
 import time
@@ -29,7 +31,7 @@ from wsync_core import (
 from wsync_core.inproc import InprocTransport, open_channels
 from wsync_core.inproc import _Receiver as _InprocReceiver
 from wsync_core.layout import Layout
-from wsync_core.transport import Transport
+from wsync_core.transport import Transport, number
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int8, torch.uint8, torch.bool]
@@ -670,6 +672,21 @@ def test_a_flag_that_is_not_true_or_false_is_refused_by_name(transport: str, opt
     (name, value), = options.items()
     with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
         WeightSyncScheme(transport, **options)
+
+
+def test_a_number_option_is_checked_by_name_and_range() -> None:
+    """``transport.number``: a number in range comes back as a float (an int where asked);
+    a bool, a string, NaN or a value out of range raises ValueError naming the option and the range."""
+    assert number("x", 5, 0.5, 3600) == 5.0 and number("p", 80, 1, 65535, integer=True) == 80
+    for value, low, high, kw, said in [
+            (True, 0, 9, {}, "x must be a number in [0, 9], got True"),
+            ("5", 0, math.inf, {}, "x must be a number >= 0, got '5'"),
+            (math.nan, 0, math.inf, {}, "x must be a number >= 0, got nan"),
+            (0, 0, math.inf, {"above": True}, "x must be a number > 0, got 0"),
+            (3.0, 1, 9, {"integer": True}, "x must be an int in [1, 9], got 3.0"),
+            (70000, 1, 65535, {"integer": True}, "x must be an int in [1, 65535], got 70000")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            number("x", value, low, high, **kw)
 
 
 @pytest.mark.parametrize("make,kind", [

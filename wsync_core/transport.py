@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import ipaddress
+import math
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -62,6 +63,7 @@ __all__ = [
     "parse_options",
     "parse_value",
     "flag",
+    "number",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -379,6 +381,20 @@ def flag(name: str, value: Any, *, optional: bool = False) -> bool | None:
     if isinstance(value, bool) or (optional and value is None):
         return value
     raise ValueError(f"{name} must be True{', False or None' if optional else ' or False'}, got {value!r}")
+
+
+def number(name: str, value: Any, low: float, high: float = math.inf, *, above: bool = False,
+           integer: bool = False) -> Any:
+    """``value`` (a float, or an int where ``integer``) if it is a number, not a bool, with
+    ``low <= value <= high`` (``low < value`` where ``above``); raises ValueError naming ``name`` and
+    the range for anything else, NaN and strings included."""
+    kinds = (int,) if integer else (int, float)
+    if (isinstance(value, kinds) and not isinstance(value, bool)
+            and (low < value if above else low <= value) and value <= high):
+        return int(value) if integer else float(value)
+    what = "an int" if integer else "a number"
+    span = f"{'(' if above else '['}{low:g}, {high:g}]" if high != math.inf else f"{'>' if above else '>='} {low:g}"
+    raise ValueError(f"{name} must be {what} {'in ' if high != math.inf else ''}{span}, got {value!r}")
 
 
 def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from wsync_core import (Capabilities, ReceiverContext, SenderContext, Transport, TransportError, free_port,
                         hookimpl)
 from wsync_core.stream import StreamReceiver, StreamSender
-from wsync_core.transport import flag
+from wsync_core.transport import flag, number
 
 __all__ = ["TcpTransport", "__version__"]
 __version__ = "0.1.0"
@@ -95,15 +95,11 @@ class TcpTransport(Transport):
         if advertise in _WILDCARDS:
             raise ValueError(f"tcp: workers cannot connect to {advertise!r}; pass advertise=<this host's address> "
                              f"(host={host!r} is where the sender listens)")
-        port = free_port(host) if port is None else port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"tcp option port must be an int in [1, 65535], got {port!r}")
+        port = free_port(host) if port is None else number("tcp option port", port, 1, 65535, integer=True)
         if authkey is not None and (not isinstance(authkey, str) or not authkey):
             raise ValueError("tcp option authkey must be a non-empty string")
-        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.5 <= heartbeat <= 3600:
-            raise ValueError(f"tcp option heartbeat must be seconds in [0.5, 3600], got {heartbeat!r}")
         super().__init__(host=host, port=port, advertise=advertise, authkey=authkey,
-                         heartbeat=float(heartbeat), checksum=flag("tcp option checksum", checksum))
+                         heartbeat=number("tcp option heartbeat (seconds)", heartbeat, 0.5, 3600), checksum=flag("tcp option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> _Sender:
         return _Sender(self.options, ctx)

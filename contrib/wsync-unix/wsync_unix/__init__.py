@@ -14,7 +14,7 @@ from typing import Any
 
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, TransportError, hookimpl
 from wsync_core.stream import StreamReceiver, StreamSender
-from wsync_core.transport import flag
+from wsync_core.transport import flag, number
 
 __all__ = ["UnixTransport", "__version__"]
 __version__ = "0.1.0"
@@ -93,9 +93,8 @@ class UnixTransport(Transport):
             raise ValueError(f"unix option name must be 1-80 characters of A-Z a-z 0-9 . _ : -, got {name!r}")
         if authkey is not None and (not isinstance(authkey, str) or not authkey):
             raise ValueError("unix option authkey must be a non-empty string")
-        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.5 <= heartbeat <= 3600:
-            raise ValueError(f"unix option heartbeat must be seconds in [0.5, 3600], got {heartbeat!r}")
-        super().__init__(name=name, authkey=authkey, heartbeat=float(heartbeat),
+        super().__init__(name=name, authkey=authkey, heartbeat=number("unix option heartbeat (seconds)", heartbeat,
+                                                                       0.5, 3600),
                          checksum=flag("unix option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> _Sender:

@@ -16,3 +16,14 @@ def test_payloads_are_checksummed_by_default_when_they_cross_a_wire(host, backen
     assert DistributedTransport(host=host, port=29500, backend=backend).options["checksum"] is expected
     assert DistributedTransport(host=host, port=29500, backend=backend, checksum=not expected).options["checksum"] \
         is (not expected)
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("collective_timeout", "abc"), ("collective_timeout", "60"), ("heartbeat_timeout", float("nan")),
+    ("heartbeat_timeout", 0), ("bucket_mb", True), ("devices", 1.5), ("port", True), ("port", 70000),
+    ("world_size", 1), ("rank", -1)])
+def test_a_number_option_of_another_type_or_out_of_range_is_refused_by_name(option, value):
+    """A string, a bool, NaN or a value out of range is refused when the transport is made, naming
+    the option and its range (before, "60" and True passed, and "abc" raised float()'s own error)."""
+    with pytest.raises(ValueError, match=f"distributed option {option} must be"):
+        DistributedTransport(**{"port": 29500, option: value})

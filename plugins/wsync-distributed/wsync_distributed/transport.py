@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port, is_loopback
-from wsync_core.transport import flag
+from wsync_core.transport import flag, number
 
 from .config import Config
 from .receiver import DistributedReceiver
@@ -103,16 +103,21 @@ class DistributedTransport(Transport):
             port = master_port + 1 if master_port is not None else free_port(host)
         if world_size is None and launcher:
             world_size = _env_int("WORLD_SIZE")
-        for what, value, low in (("bucket_mb", bucket_mb, 0), ("collective_timeout", collective_timeout, 0),
-                                 ("heartbeat_timeout", heartbeat_timeout, 0)):
-            if not float(value) > low:
-                raise ValueError(f"distributed: {what} must be > {low}, got {value!r}")
-        if not (isinstance(devices, int) and devices >= 1):
-            raise ValueError(f"distributed: devices must be an int >= 1, got {devices!r}")
-        super().__init__(backend=backend, host=str(host), port=int(port), world_size=world_size, rank=rank,
-                         bucket_mb=float(bucket_mb), collective_timeout=float(collective_timeout),
-                         heartbeat_timeout=float(heartbeat_timeout), bind=bind, prefix=str(prefix),
-                         devices=devices, stream=flag("distributed option stream", stream),
+        if world_size is not None:
+            world_size = number("distributed option world_size", world_size, 2, integer=True)
+        if rank is not None:
+            rank = number("distributed option rank", rank, 0, integer=True)
+        super().__init__(backend=backend, host=str(host), port=number("distributed option port", port, 1, 65535,
+                                                                      integer=True),
+                         world_size=world_size, rank=rank,
+                         bucket_mb=number("distributed option bucket_mb", bucket_mb, 0, above=True),
+                         collective_timeout=number("distributed option collective_timeout", collective_timeout, 0,
+                                                   above=True),
+                         heartbeat_timeout=number("distributed option heartbeat_timeout", heartbeat_timeout, 0,
+                                                  above=True),
+                         bind=bind, prefix=str(prefix),
+                         devices=number("distributed option devices", devices, 1, integer=True),
+                         stream=flag("distributed option stream", stream),
                          checksum=(backend == "gloo" and not is_loopback(str(host)) if checksum is None
                                    else flag("distributed option checksum", checksum)))
 

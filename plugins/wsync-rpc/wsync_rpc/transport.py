@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed.rpc as rpc
 from wsync_core import Capabilities, ReceiverContext, SenderContext, Transport, free_port, is_loopback
-from wsync_core.transport import flag
+from wsync_core.transport import flag, number
 
 __all__ = ["RpcTransport"]
 
@@ -43,12 +43,11 @@ class RpcTransport(Transport):
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, world_size: int | None = None,
                  rpc_timeout: float = 60.0, checksum: bool | None = None) -> None:
-        if not float(rpc_timeout) > 0:
-            raise ValueError(f"rpc: rpc_timeout must be > 0, got {rpc_timeout!r}")
-        if world_size is not None and not (isinstance(world_size, int) and world_size >= 2):
-            raise ValueError(f"rpc: world_size must be an int >= 2 (num_workers + 1), got {world_size!r}")
-        super().__init__(host=str(host), port=int(port) if port else free_port(str(host)), world_size=world_size,
-                         rpc_timeout=float(rpc_timeout),
+        if world_size is not None:  # (num_workers + 1)
+            world_size = number("rpc option world_size", world_size, 2, integer=True)
+        port = free_port(str(host)) if port is None else number("rpc option port", port, 1, 65535, integer=True)
+        super().__init__(host=str(host), port=port, world_size=world_size,
+                         rpc_timeout=number("rpc option rpc_timeout", rpc_timeout, 0, above=True),
                          checksum=not is_loopback(str(host)) if checksum is None else flag("rpc option checksum", checksum))
 
     def sender(self, ctx: SenderContext):

@@ -23,7 +23,7 @@ from wsync_core.transport import (
     Transport,
     free_port,
 )
-from wsync_core.transport import flag
+from wsync_core.transport import flag, number
 
 __all__ = ["ZmqTransport"]
 
@@ -116,8 +116,7 @@ class ZmqTransport(Transport):
         address = f"tcp://127.0.0.1:{free_port()}" if address is None else _check_endpoint(address, "address", False)
         if bind is not None:
             bind = _check_endpoint(bind, "bind", True)
-        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0.1 <= heartbeat <= 3600:
-            raise ValueError(f"zmq option heartbeat must be seconds in [0.1, 3600], got {heartbeat!r}")
+        heartbeat = number("zmq option heartbeat (seconds)", heartbeat, 0.1, 3600)
         keys = {"curve_server_secret": curve_server_secret, "curve_client_key": curve_client_key,
                 "curve_client_secret": curve_client_secret}
         if curve_server_key is None and (any(v is not None for v in keys.values()) or curve_allowed_clients):
@@ -139,7 +138,7 @@ class ZmqTransport(Transport):
                     raise TypeError("zmq option curve_allowed_clients must be a list of public keys, not one key")
                 curve_allowed_clients = [_check_key(k, "curve_allowed_clients") for k in curve_allowed_clients]
         super().__init__(address=address, bind=bind, checksum=flag("zmq option checksum", checksum),
-                         heartbeat=float(heartbeat),
+                         heartbeat=heartbeat,
                          curve_server_key=curve_server_key, curve_server_secret=curve_server_secret,
                          curve_client_key=curve_client_key, curve_client_secret=curve_client_secret,
                          curve_allowed_clients=curve_allowed_clients)
