@@ -96,6 +96,87 @@ def test_apply_guard_holds_every_change_to_the_model():
         sender.shutdown()
 
 
+class _FlakyGuard:
+    """An apply guard whose entering fails ``fails`` times (a lock taken with a timeout that gave up)."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+
+    def __call__(self) -> "_FlakyGuard":
+        return self
+
+    def __enter__(self) -> None:
+        if self.fails:
+            self.fails -= 1
+            raise TimeoutError("the step loop kept the model")
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_a_guard_that_raises_loses_nothing(transport):
+    """A receive whose apply guard raises raises that error and applies nothing; the next receive
+    applies that version (or a newer one) and its send completes. Before, the version taken was
+    dropped: the next receive found nothing, and the send waited its whole timeout for an ack.
+    Over shm each failure keeps the slot it read; five in a row must not run the sender out."""
+    sender, model, receiver, local = connected_pair(transport, sync=False)
+    guard = _FlakyGuard(1)
+    receiver.set_apply_guard(guard)
+    try:
+        bump(model)
+        handle = sender.send_async()
+        with pytest.raises(TimeoutError, match="kept the model"):
+            receiver.receive(timeout=30)
+        assert receiver.version == 0 and not same(local, model)
+        assert receiver.receive(timeout=30) == 1 and same(local, model)
+        assert handle.wait(30) == 1
+        guard.fails = 5
+        for v in range(2, 7):  # a new version each time the guard fails: the newest is applied once it lets it
+            bump(model)
+            sender.send_async()
+            with pytest.raises(TimeoutError):
+                receiver.receive(timeout=30)
+        assert receiver.version == 1
+        assert receiver.wait_for_version(6, timeout=30) == 6 and same(local, model)
+        bump(model)
+        handle = sender.send_async()
+        assert receiver.wait_for_version(7, timeout=30) == 7 and same(local, model) and handle.wait(30) == 7
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def test_the_guard_and_listeners_must_be_callable():
+    """set_apply_guard takes a function that returns a context manager: a lock itself (a
+    natural slip: the docs say "a lock") is refused there, naming the fix; a function that returns
+    something else makes receive() raise TypeError naming set_apply_guard, losing nothing. A
+    listener that is not callable is refused when added (before, every later send raised
+    "'int' object is not callable", though each had delivered). wait_for_version takes an int."""
+    sender, model, receiver, local = connected_pair(sync=False)
+    lock = threading.Lock()
+    try:
+        with pytest.raises(TypeError, match="set_apply_guard.*lambda: lock"):
+            receiver.set_apply_guard(lock)
+        with pytest.raises(TypeError, match="add_report_listener"):
+            sender.add_report_listener(42)
+        with pytest.raises(TypeError, match="add_apply_listener"):
+            receiver.add_apply_listener(42)
+        for bad in ("3", None, 2.0, True):
+            with pytest.raises(TypeError, match="wait_for_version.* takes a version number"):
+                receiver.wait_for_version(bad, timeout=0)
+        receiver.set_apply_guard(lambda: 42)
+        bump(model)
+        handle = sender.send_async()
+        with pytest.raises(TypeError, match="apply guard \\(set_apply_guard\\) returned a int"):
+            receiver.receive(timeout=30)
+        receiver.set_apply_guard(lambda: lock)
+        assert receiver.receive(timeout=30) == 1 and same(local, model) and handle.wait(30) == 1
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["inproc", "shm"])
 def test_shutdown_by_the_thread_holding_the_guard_ends_a_receive_waiting_for_it(transport):
     """A worker's step loop holds its safe-point lock and shuts the scheme down while a background

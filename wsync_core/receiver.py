@@ -92,6 +92,9 @@ class Receiver:
         #: payload of the sender ``_ties_of``; every version is checked against them (``_check_ties``)
         self._ties: list[list[str]] = []
         self._ties_of: str | None = None
+        #: the delivery (and its header) a receive took but could not apply because the apply guard
+        #: raised: the next receive applies it, or a newer one
+        self._kept: tuple[Delivery, Header] | None = None
         #: a receive() waiting to enter ``guard``, and the rest of a shutdown() left to it (``hand_over``)
         self._parked = False
         self._handed: Callable[[], None] | None = None
@@ -131,6 +134,9 @@ class Receiver:
     def close(self) -> None:
         """Give the model its own copy of what it views, give back what fell due, close the endpoint."""
         with self.lock:
+            if self._kept is not None:
+                _release(self._kept[0])
+                self._kept = None
             self._adopted.materialize()
             self._leases.close()
             self.endpoint.close()
@@ -163,9 +169,9 @@ class Receiver:
     def _receive(self, deadline: Deadline) -> int | None:
         endpoint = self.endpoint
         self._leases.drain()  # memory the worker stopped viewing since the last call
-        best: tuple[Delivery, Header] | None = None
+        best, self._kept = self._kept, None  # what the last receive took, if its guard raised
         stale = False
-        delivery = endpoint.recv(deadline)
+        delivery = endpoint.recv(deadline if best is None else POLL)
         drained = 0
         try:
             while delivery is not None:
@@ -204,7 +210,7 @@ class Receiver:
         if header.base is not None and not header.base <= self.version:
             return self._refuse_delta(delivery, header, f"holds version {self.version}")
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
-        with _SafePoint(self, delivery), _interrupts_held():  # its model is not in use in here
+        with _SafePoint(self, delivery, header), _interrupts_held():  # its model is not in use in here
             # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
             # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
@@ -463,12 +469,13 @@ def _interrupts_held() -> Iterator[None]:
 class _SafePoint:
     """The worker's apply guard, entered to apply a delivery. If shutdown() began meanwhile, the
     delivery is released, the guard left, the shutdown finished if it was left to this thread
-    (``Receiver.hand_over``), and entering raises StateError."""
+    (``Receiver.hand_over``), and entering raises StateError. If the guard raises, the delivery is
+    kept for the next receive (``Receiver._kept``) and the error raised."""
 
-    __slots__ = ("_receiver", "_delivery", "_guard")
+    __slots__ = ("_receiver", "_delivery", "_header", "_guard")
 
-    def __init__(self, receiver: Receiver, delivery: Delivery) -> None:
-        self._receiver, self._delivery = receiver, delivery
+    def __init__(self, receiver: Receiver, delivery: Delivery, header: Header) -> None:
+        self._receiver, self._delivery, self._header = receiver, delivery, header
 
     def __enter__(self) -> None:
         r = self._receiver
@@ -476,7 +483,16 @@ class _SafePoint:
             r._parked = True
         try:
             guard = r.guard()
+            if not (hasattr(guard, "__enter__") and hasattr(guard, "__exit__")):
+                raise TypeError(f"the apply guard (set_apply_guard) returned a {type(guard).__name__}, not a context "
+                                f"manager: give it a function that returns one, e.g. lambda: lock")
             guard.__enter__()
+        except BaseException:
+            if r.closing:
+                _release(self._delivery)
+            else:  # nothing applied: the next receive applies this version (or a newer one)
+                r._kept = (self._delivery, self._header)
+            raise
         finally:
             with r._handover:
                 r._parked = False

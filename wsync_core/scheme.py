@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -228,7 +229,9 @@ class WeightSyncScheme:
             self._finalizer = weakref.finalize(self, _close, self._role, self._pid)
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
-        """Call ``listener(report)`` when a send completes or fails (sender side; not pickled)."""
+        """Call ``listener(report)`` when a send completes or fails (sender side; not pickled).
+        Raises TypeError if ``listener`` is not callable."""
+        _check_callable(listener, "add_report_listener", "a function of one SendReport")
         with self._lock:
             if not isinstance(self._role, Sender):
                 self._expect(_State.SENDER, "add_report_listener")
@@ -238,7 +241,9 @@ class WeightSyncScheme:
         """Call ``listener(version)`` each time this receiver applied a version (the initial one
         at connect included), from the thread that applied it, before its ack (a sync send()
         returns after every worker's listeners ran); an error it raises comes out of the call
-        that applied, the ack is sent anyway. Not pickled."""
+        that applied, the ack is sent anyway. Not pickled. Raises TypeError if ``listener`` is not
+        callable."""
+        _check_callable(listener, "add_apply_listener", "a function of one version number")
         with self._lock:
             if not isinstance(self._role, Receiver):
                 self._expect(_State.RECEIVER, "add_apply_listener")
@@ -247,7 +252,10 @@ class WeightSyncScheme:
     def set_apply_guard(self, guard: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         """Receiver: enter ``guard()`` around every change to the model's tensors, so a version is
         applied only at the worker's safe point (e.g. a lock its step loop holds while it uses
-        the model). Not pickled; default: no guard."""
+        the model). Not pickled; default: no guard. If entering it raises, the receive raises that
+        error and the next one applies the version. Raises TypeError if ``guard`` is not callable
+        (a lock itself: pass ``lambda: lock``)."""
+        _check_callable(guard, "set_apply_guard", "a function that returns a context manager, e.g. lambda: lock")
         with self._lock:
             if not isinstance(self._role, Receiver):
                 self._expect(_State.RECEIVER, "set_apply_guard")
@@ -375,8 +383,12 @@ class WeightSyncScheme:
         arrive; returns the version held (another thread's receive() counts too).
 
         Raises WorkerTimeoutError (naming this worker) if it does not by the timeout (the
-        scheme's by default), or what receive() raises for a bad payload.
+        scheme's by default), or what receive() raises for a bad payload; TypeError if
+        ``version`` is not an int.
         """
+        if isinstance(version, bool) or not hasattr(version, "__index__"):
+            raise TypeError(f"wait_for_version() takes a version number (an int), got {version!r}")
+        version = operator.index(version)
         self._adopt_fork()
         receiver = self._role
         if not isinstance(receiver, Receiver) or self._state is not _State.RECEIVER_CONNECTED:
@@ -463,6 +475,12 @@ class WeightSyncScheme:
                 self._last_version = role.version
             self._role = None
             self._state = _State.CLOSED
+
+
+def _check_callable(value: Any, call: str, want: str) -> None:
+    """Raise TypeError naming ``call`` unless ``value`` is callable (``want`` says what it takes)."""
+    if not callable(value):
+        raise TypeError(f"{call}() takes {want}; got a {type(value).__name__}, which is not callable")
 
 
 def _close(role: Sender | Receiver, pid: int) -> None:

@@ -669,7 +669,7 @@ class ShmTransport(Transport):
 
     def __init__(self, *, name: str | None = None, checksum: bool = False,
                  zero_copy: bool | None = None, cuda_ipc: bool = False) -> None:
-        name = name or uuid.uuid4().hex[:16]
+        name = uuid.uuid4().hex[:16] if name is None else name
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shm name must be 1-80 characters of letters, digits, '_', '.', '-', got {name!r}")
         super().__init__(name=name, checksum=flag("shm option checksum", checksum),
