@@ -879,6 +879,71 @@ def test_a_tie_only_the_worker_has_is_checked_at_every_version(cluster, delta) -
     assert c.sender.send() == 3 and torch.equal(worker.out.weight, trainer.out.weight)
 
 
+def _overlapping(kind: str) -> dict[str, torch.Tensor]:
+    """A worker's state_dict whose tensors share memory in part: b a slice of a, two overlapping
+    slices of one buffer, or b a transposed view of a (not contiguous: cannot be checked)."""
+    if kind == "slice":
+        base = torch.zeros(4)
+        return {"a": base, "b": base[1:3]}
+    if kind == "two slices":
+        flat = torch.zeros(4)
+        return {"a": flat[0:3], "b": flat[1:4]}
+    square = torch.zeros(2, 2)
+    return {"a": square, "b": square.t()}
+
+
+@pytest.mark.parametrize("kind", ["slice", "two slices", "transposed"])
+def test_a_worker_whose_tensors_overlap_in_part_gets_exact_values_or_an_error(kind: str) -> None:
+    """A worker's keys that share part of their memory (one a slice of the other) can hold the
+    trainer's values only where those agree on the shared elements: then every version is exact;
+    where they differ the version is refused naming both keys, the model untouched; an overlap
+    that cannot be checked (not contiguous) is refused naming both. Before, the second key's
+    values overwrote the first's where they overlapped and both sides reported success: the
+    worker held a = [1, 9, 9, 4] where the trainer sent [1, 2, 3, 4]."""
+    worker = _overlapping(kind)
+    shared = {"slice": ({"a": torch.tensor([1., 2., 3., 4.]), "b": torch.tensor([2., 3.])},
+                        {"a": torch.tensor([1., 2., 3., 4.]), "b": torch.tensor([9., 9.])}),
+              "two slices": ({"a": torch.tensor([1., 2., 3.]), "b": torch.tensor([2., 3., 4.])},
+                             {"a": torch.tensor([1., 2., 3.]), "b": torch.tensor([7., 8., 9.])}),
+              "transposed": ({"a": torch.tensor([[1., 2.], [3., 4.]]), "b": torch.tensor([[1., 3.], [2., 4.]])},
+                             None)}[kind]
+    for trainer in shared:
+        if trainer is None:
+            continue
+        agree = trainer is shared[0] and kind != "transposed"
+        before = {k: v.clone() for k, v in worker.items()}
+        s = WeightSyncScheme("inproc", timeout=5.0)
+        s.init_on_sender(weights=trainer, num_workers=1)
+        r = pickle.loads(pickle.dumps(s))
+        r.init_on_receiver(model=worker, worker_idx=0)
+        try:
+            refused, error = connect_both(s, r)
+            if agree:
+                assert refused is None and error is None, (refused, error)
+                assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+                continue
+            assert isinstance(error, SchemaMismatchError), error
+            assert "'a' and 'b' share memory in this worker's model" in str(error), error
+            assert all(torch.equal(worker[k], v) for k, v in before.items())
+        finally:
+            r.shutdown()
+            s.shutdown()
+
+
+def test_a_delta_to_a_worker_whose_tensors_overlap_is_sent_in_full(cluster) -> None:
+    """A delta's writes where two keys overlap are not checked: such a worker asks for each
+    version in full instead, and holds it exactly."""
+    trainer = {"a": torch.tensor([1., 2., 3., 4.]), "b": torch.tensor([2., 3.])}
+    c = cluster(n=1, model=trainer, make=lambda i: _overlapping("slice"), delta="always")
+    worker = c.receivers[0].model
+    for v in range(1, 4):
+        trainer["a"][0] += 1.0
+        trainer["a"][1] += 1.0
+        trainer["b"][0] += 1.0
+        assert c.sender.send() == v
+        assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+
+
 class _Rotary(torch.nn.Module):
     """A layer with a buffer outside its state_dict (persistent=False), as RoPE's inv_freq."""
 

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,9 +89,11 @@ class Receiver:
         self._as_applied: list[tuple[int, int, int]] | None = None
         #: the newest version the sender announced to this worker (applied or not)
         self.announced = -1
-        #: the keys that are one tensor in the model (``_tie_groups``), found at the first full
-        #: payload of the sender ``_ties_of``; every version is checked against them (``_check_ties``)
+        #: the keys that are one tensor in the model (``_tie_groups``), and those whose memory
+        #: overlaps in part (``_overlaps``), found at the first full payload of the sender
+        #: ``_ties_of``; every version is checked against them (``_check_ties``)
         self._ties: list[list[str]] = []
+        self._overlaps: list[_Overlap] = []
         self._ties_of: str | None = None
         #: the delivery (and its header) a receive took but could not apply because the apply guard
         #: raised: the next receive applies it, or a newer one
@@ -215,8 +218,8 @@ class Receiver:
             # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
                 adopted = self._apply(delivery, header, retired)
-            except _WroteSince:
-                return self._refuse_delta(delivery, header, f"wrote its model since version {self.version}")
+            except _WroteSince as exc:
+                return self._refuse_delta(delivery, header, str(exc) or f"wrote its model since version {self.version}")
             except (SchemaMismatchError, TransportError) as exc:
                 _release(delivery)
                 self._reject(header.version, exc)
@@ -420,6 +423,8 @@ class Receiver:
                 raise _WroteSince()  # what the worker wrote would stay where the trainer changed nothing
             if self._ties:
                 _check_tied_ops(self._ties, ops, payload, where)
+            if self._overlaps:  # (rare: what a delta writes where two keys overlap is not checked)
+                raise _WroteSince("has keys whose memory overlaps (one views part of another)")
             apply_ops(ops, indices, payload, targets)
         if self._extra:
             restore_extra_state(self.source, targets)
@@ -432,9 +437,12 @@ class Receiver:
                     layout: Layout, where: str) -> None:
         """Raise SchemaMismatchError if two keys that are one tensor in the worker's model (tied:
         found at each sender's first full payload) come with different bytes in this one: the
-        model could hold only one of them (the sender's are not tied, and no longer equal)."""
+        model could hold only one of them (the sender's are not tied, and no longer equal); the
+        same for two keys whose memory overlaps in part (one a slice of the other), where they
+        overlap. Raises it also for an overlap it cannot check (``_overlaps``)."""
         if header.session != self._ties_of:
-            self._ties, self._ties_of = _tie_groups(targets), header.session
+            ties, overlaps = _tie_groups(targets), _overlaps(targets, where)
+            self._ties, self._overlaps, self._ties_of = ties, overlaps, header.session
         for keys in self._ties:
             first = layout.entry(keys[0])
             for key in keys[1:]:
@@ -442,6 +450,15 @@ class Receiver:
                 if not torch.equal(payload[first.offset:first.offset + first.nbytes],
                                    payload[e.offset:e.offset + e.nbytes]):
                     raise _tie_broken(where, keys[0], key)
+        for o in self._overlaps:
+            a, b = layout.entry(o.keys[0]), layout.entry(o.keys[1])
+            size = a.torch_dtype.itemsize  # (of the wire dtype, for a payload in one: elements map one to one)
+            at, bt = a.offset + o.starts[0] * size, b.offset + o.starts[1] * size
+            if not torch.equal(payload[at:at + o.count * size], payload[bt:bt + o.count * size]):
+                raise SchemaMismatchError(
+                    f"{where}: {o.keys[0]!r} and {o.keys[1]!r} share memory in this worker's model (one views part of "
+                    f"the other) but the sender's values differ where they overlap: the model cannot hold both; "
+                    f"give the worker separate tensors (e.g. clone one of them), or share them alike in the trainer")
 
 
 @contextlib.contextmanager
@@ -512,7 +529,8 @@ class _SafePoint:
 
 class _WroteSince(Exception):
     """The worker wrote its model (an in-place op on one of its tensors) since the last apply, or
-    replaced a tensor: a partial payload would keep what it wrote."""
+    replaced a tensor: a partial payload would keep what it wrote. Its message, if any, says
+    another reason a partial payload cannot be applied."""
 
 
 def _as_applied(targets: Mapping[str, torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -551,6 +569,44 @@ def _tie_groups(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:
         if t.numel() and t.device.type != "meta":
             tied.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append(key)
     return [keys for keys in tied.values() if len(keys) > 1]
+
+
+@dataclass(frozen=True)
+class _Overlap:
+    """Two keys of a worker's model whose memory overlaps in part: ``count`` elements, from element
+    ``starts[0]`` of the first and ``starts[1]`` of the second."""
+
+    keys: tuple[str, str]
+    starts: tuple[int, int]
+    count: int
+
+
+def _overlaps(targets: Mapping[str, torch.Tensor], where: str) -> list[_Overlap]:
+    """The pairs of keys whose memory overlaps without their being one tensor (``_tie_groups``):
+    a slice of another, or two overlapping slices. Raises SchemaMismatchError for a pair that is
+    not two contiguous tensors of one dtype, whose overlap cannot be checked element by element
+    (writing each key whole, the receive would leave the model a mix)."""
+    spans: list[tuple[int, int, str, torch.Tensor]] = []
+    for key, t in targets.items():
+        if t.numel() and t.device.type != "meta":
+            extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size(), key, t))
+    spans.sort(key=lambda span: span[:2])
+    found: list[_Overlap] = []
+    for i, (lo, hi, key, t) in enumerate(spans):
+        for lo2, hi2, key2, t2 in spans[i + 1:]:
+            if lo2 >= hi:
+                break
+            if (lo2 == lo and t2.dtype == t.dtype and t2.shape == t.shape and t2.stride() == t.stride()):
+                continue  # one tensor under two keys: tied
+            size = t.element_size()
+            if not (t.dtype == t2.dtype and t.is_contiguous() and t2.is_contiguous() and (lo2 - lo) % size == 0):
+                raise SchemaMismatchError(
+                    f"{where}: {key!r} and {key2!r} share memory in this worker's model (one views part of the "
+                    f"other) but are not contiguous tensors of one dtype, so the receive cannot check that the "
+                    f"sender's values agree where they overlap; give the worker separate tensors (e.g. clone one)")
+            found.append(_Overlap((key, key2), ((lo2 - lo) // size, 0), (min(hi, hi2) - lo2) // size))
+    return found
 
 
 def _check_tied_ops(ties: list[list[str]], ops: Sequence[Op], payload: torch.Tensor, where: str) -> None:
