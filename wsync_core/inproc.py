@@ -52,6 +52,7 @@ class _Channel:
         self.events: deque[Event] = deque()
         self.mailbox: dict[int, tuple[bytes, torch.Tensor]] = {}
         self.sender = False
+        self.num_workers = 0  # the sender's, while it is open
         self.receivers: set[int] = set()
 
     @staticmethod
@@ -92,6 +93,7 @@ class _Sender(SenderEndpoint):
     def __init__(self, transport: InprocTransport, ctx: SenderContext) -> None:
         self.name = transport.options["channel"]
         self.nbytes = ctx.layout.nbytes
+        self.num_workers = ctx.num_workers
         self.channel: _Channel | None = None
         self.woken = False
 
@@ -100,7 +102,8 @@ class _Sender(SenderEndpoint):
         with channel.cond:
             if channel.sender:
                 raise TransportError(f"inproc channel {self.name!r} already has a sender")
-            channel.sender = True
+            channel.sender, channel.num_workers = True, self.num_workers
+            channel.cond.notify_all()  # a receiver out of range waiting for it is told
         self.channel = channel
 
     def acquire(self, deadline: Deadline) -> Buffer:
@@ -148,6 +151,9 @@ class _Receiver(ReceiverEndpoint):
         with channel.cond:
             if self.worker in channel.receivers:
                 raise TransportError(f"inproc channel {self.name!r} already has a worker {self.worker}")
+            why = self._refusal(channel)
+            if why is not None:
+                raise TransportError(why)
             channel.receivers.add(self.worker)
             channel.events.append(Joined(self.worker))
             channel.cond.notify_all()
@@ -156,9 +162,21 @@ class _Receiver(ReceiverEndpoint):
     def recv(self, deadline: Deadline) -> Delivery | None:
         channel = self.channel
         with channel.cond:
-            channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken, deadline.seconds())
+            channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken
+                                  or self._refusal(channel) is not None, deadline.seconds())
+            why = self._refusal(channel)
+            if why is not None:
+                raise TransportError(why)
             item = None if self.woken else channel.mailbox.pop(self.worker, None)
         return None if item is None else Delivery(item[0], item[1])
+
+    def _refusal(self, channel: _Channel) -> str | None:
+        """Why the channel's sender, if open, does not take this worker (its index out of range,
+        a launcher's off-by-one), or None (caller holds ``channel.cond``)."""
+        if channel.sender and self.worker >= channel.num_workers:
+            return (f"inproc channel {self.name!r}: worker_idx {self.worker} is out of range: its sender has "
+                    f"{channel.num_workers} workers")
+        return None
 
     def wake(self) -> None:
         _wake(self)

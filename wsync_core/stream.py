@@ -788,7 +788,7 @@ class StreamReceiver(_Loop, ReceiverBase):
             self._connect_and_serve()
         except Exception as exc:  # noqa: BLE001 - the thread must not die silently: recv raises it
             log.exception("%s: the I/O thread failed", self.what)
-            self.fail(f"{self.what}: its I/O thread failed: {type(exc).__name__}: {exc}")
+            self.fail(f"its I/O thread failed: {type(exc).__name__}: {exc}")
 
     def _connect_and_serve(self) -> None:
         """Connect, serve the connection until it ends, and again, until closed or failed for good."""

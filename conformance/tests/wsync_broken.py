@@ -811,6 +811,14 @@ class _LastAckLost(_Receiver):
         return super().recv(deadline)
 
 
+class _IndexUnchecked(_Receiver):
+    """Takes any worker index: one out of the sender's range waits for versions that never come,
+    its connect() timing out with "got no weights" instead of naming the index."""
+
+    def _refusal(self, channel) -> None:
+        return None
+
+
 class _EndAfterPublish(_Sender):
     """A worker's Left found by a publish (the new connection met first, the old one's end after
     it, as zmq's sender matched ends by descriptor) is reported after its new Joined; with only
@@ -853,6 +861,8 @@ LastAckLost = _tooth("LastAckLost", "live", "test_endpoint_events_in_order", rec
 EndAfterPublish = _tooth("EndAfterPublish", "live", "test_endpoint_events_in_order", sender=_EndAfterPublish)
 DropsOnFailedWrite = _tooth("DropsOnFailedWrite", "live", "test_endpoint_ack_then_close_while_publishing",
                             sender=_DropsOnFailedWrite)
+IndexUnchecked = _tooth("IndexUnchecked", "live", "test_live_worker_index_out_of_range_is_told",
+                        receiver=_IndexUnchecked)
 DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import pickle
 import threading
 import time
@@ -243,6 +244,25 @@ class LiveChecks:
         except WorkerTimeoutError as exc:
             raise violated("live", f"after two large payloads, a send to every worker timed out for {exc.workers}: "
                                    f"was the silent worker dropped?") from exc
+
+    @guarantee("live")
+    def test_live_worker_index_out_of_range_is_told(self, wsync: Context) -> None:
+        """A receiver whose worker_idx is not below the sender's num_workers (a launcher's
+        off-by-one) is told: its connect() raises an error saying so (not WorkerTimeoutError
+        after its whole timeout, saying it got no weights, which sends the user looking at the
+        transport's options), and the sender goes on serving its workers."""
+        s = wsync.session(version_spec(), n=1)
+        (stray,) = wsync.workers(1)
+        opened = stray.request("open", 120.0, scheme=base64.b64encode(pickle.dumps(s.scheme)).decode(),
+                               spec=s.spec.to_json(), device=wsync.device, worker_idx=1, init=True, model_id=None)
+        reply = opened if opened.error else stray.call("connect", timeout=wsync.timeout)
+        message = reply.get("message", "") if reply.error else ""
+        if not reply.error or reply.error == "WorkerTimeoutError" or "1" not in message:
+            raise violated("live", f"a receiver with worker_idx=1 and num_workers=1: connect() gave "
+                                   f"{reply.error or 'success'} {message[:200]!r}; expected an error naming the index "
+                                   f"as out of range, raised before its timeout")
+        fill_version(s.model, 1)
+        s.check(s.send(), guarantee="live")
 
     @guarantee("live")
     def test_live_two_receivers_claim_one_index(self, wsync: Context) -> None:

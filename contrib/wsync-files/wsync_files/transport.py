@@ -8,7 +8,8 @@ place with ``os.replace``, so a reader sees a whole file or none:
 - ``payload-<token>-<n>.bin``: one snapshot, written once and never changed;
 - ``to-<w>``: worker ``w``'s mailbox: ``<token> <seq> <payload file>`` then a newline and the
   core's header bytes; only the listed workers' mailboxes change, so a subset send reaches
-  only its targets;
+  only its targets; ``refused <why>`` for a worker the sender does not take (an index out of
+  range);
 - ``hello-<w>``: worker ``w`` is here (``host pid token``); ``ack-<w>-<seq>``: one ack.
 
 Both sides poll (1 ms, backing off to 20 ms while idle), never past the deadline. Nothing read
@@ -193,6 +194,8 @@ class _Sender(SenderEndpoint):
         self.files: list[str] = []  # payload files on disk, oldest first
         self.mailbox: dict[int, str] = {}  # worker -> payload file its mailbox names
         self.hellos: dict[int, bytes] = {}  # workers seen, with their hello
+        self.num_workers = ctx.num_workers
+        self.told: dict[int, bytes] = {}  # workers out of range, with the hello their refusal answered
         self.refused: set[str] = set()  # entries that raised once and could not be removed (not files)
         self.seq = self.count = 0
         self.opened = False
@@ -263,7 +266,13 @@ class _Sender(SenderEndpoint):
         hellos: dict[int, bytes] = {}
         for name in names:
             if (m := _HELLO.fullmatch(name)) and (data := self._read_once(name, 256)) and _alive(data):
-                hellos[int(m[1])] = data
+                w = int(m[1])
+                if w < self.num_workers:
+                    hellos[w] = data
+                elif self.told.get(w) != data:  # told once per hello, so it stops waiting
+                    why = f"worker_idx {w} is out of range: this sender has {self.num_workers} workers"
+                    _write(self.dir, f"to-{w}", b"refused " + why.encode())
+                    self.told[w] = data
         events: list[Event] = [Joined(w) for w, data in hellos.items() if self.hellos.get(w) != data]
         for name in names:
             if m := _ACK.fullmatch(name):
@@ -297,7 +306,7 @@ class _Sender(SenderEndpoint):
                 _unlink(path)
             elif _HELLO.fullmatch(name) and not _alive(_hello_owner(path)):
                 _unlink(path)  # left by a worker that was killed
-        for name in [*self.files, *(f"to-{w}" for w in self.mailbox), "sender"]:
+        for name in [*self.files, *(f"to-{w}" for w in [*self.mailbox, *self.told]), "sender"]:
             _unlink(os.path.join(self.dir, name))
         self.files, self.mailbox, self.buffers, self.written = [], {}, [], {}
 
@@ -340,6 +349,8 @@ class _Receiver(ReceiverEndpoint):
         if data is None:
             return None
         line, _, header = data.partition(b"\n")
+        if line.startswith(b"refused "):
+            raise TransportError(f"{self.what}: the sender refused it: {line[8:308].decode(errors='replace')}")
         if line == self.seen:
             return None
         self.seen = line

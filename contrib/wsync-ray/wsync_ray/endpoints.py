@@ -181,6 +181,7 @@ class RaySender(SenderEndpoint):
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
         self.direct_acks = options.get("direct_acks", True)
         self.nbytes = ctx.layout.nbytes
+        self.num_workers = ctx.num_workers
         self.slots: list[Buffer] = []
         self.refs: dict[int, Any] = {}  # slot -> object reference holding its bytes
         self.latest = -1  # the slot published last
@@ -213,7 +214,7 @@ class RaySender(SenderEndpoint):
             # with that node (a cut link, a preempted host)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0,
-                                              scheduling_strategy=here).remote(acks)
+                                              scheduling_strategy=here).remote(acks, self.num_workers)
         except ValueError as exc:
             self._stop_threads()
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
@@ -445,6 +446,9 @@ class RayReceiver(ReceiverEndpoint):
             raise _ray_failed(f"saying hello to the ray sender on channel {self.channel!r} failed", exc) from exc
         if reply == ["closed"]:
             raise TransportError(f"the ray sender on channel {self.channel!r} has shut down")
+        if isinstance(reply, list) and len(reply) == 2 and reply[0] == "refused" and isinstance(reply[1], str):
+            raise TransportError(f"the ray sender on channel {self.channel!r} refused worker {self.worker}: "
+                                 f"{reply[1][:300]}")
         if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == "ok"):
             raise TransportError(f"malformed hello reply from the ray sender on channel {self.channel!r}: "
                                  f"{reply!r:.100}")

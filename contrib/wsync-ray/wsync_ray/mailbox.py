@@ -40,8 +40,9 @@ class Mailbox:
     """Ray actor body (wrapped with ``ray.remote`` by the sender). Every method takes and returns
     plain values (ints, strings, bytes, lists) and object references nested in lists."""
 
-    def __init__(self, acks: list[Any] | None = None) -> None:
+    def __init__(self, acks: list[Any] | None = None, num_workers: int | None = None) -> None:
         self._acks = acks  # [host, port, secret] of the sender's AckServer, or None
+        self._num_workers = num_workers  # the sender's: a receiver of another index is refused
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._posted: dict[int, int] = {}  # worker -> the newest seq posted to it
@@ -76,11 +77,13 @@ class Mailbox:
         """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
         see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing.
         ``["ok", acks]`` (the sender's direct-ack address, or None), ``["closed"]`` if the sender
-        has shut down."""
+        has shut down, ``["refused", why]`` for a worker index out of the sender's range."""
         cond = self._condition()
         async with cond:
             if self._closed:
                 return ["closed"]
+            if self._num_workers is not None and not 0 <= worker < self._num_workers:
+                return ["refused", f"worker_idx {worker} is out of range: this sender has {self._num_workers} workers"]
             self._members[worker] = token
             self._entries.pop(worker, None)  # meant for a predecessor: the sender re-publishes on join
             old = self._watches.pop(worker, None)

@@ -297,9 +297,13 @@ class DistributedReceiver(ReceiverBase):
                 return
             if ctl.kind == "stop":
                 continue
+            if ctl.kind == "refused":  # (its index out of range): the reason comes as the header
+                self.stopped.set()
+                self.fail(f"the sender refused it: {header[:300].decode('utf-8', 'replace')}")
+                return
             if ctl.kind == "replaced":  # no more heartbeats: the index is the other receiver's
                 self.stopped.set()
-                self.fail(f"{self.what}: another receiver joined the sender as worker {self.worker} and took its "
+                self.fail(f"another receiver joined the sender as worker {self.worker} and took its "
                           f"place (a process started again under the same worker_idx while this one runs?); this "
                           f"one gets no more versions and keeps the one it holds")
                 return

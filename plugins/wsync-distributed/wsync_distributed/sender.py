@@ -412,7 +412,7 @@ class DistributedSender(SenderBase):
                     if self.closing:
                         return
                     continue
-                if w >= self.ctx.num_workers:
+                if w >= self.ctx.num_workers and kind != wire.JOIN:
                     raise TransportError(f"event from worker {w}, but num_workers={self.ctx.num_workers}")
                 self._on_event(kind, w, data, store)
             except TransportError as exc:
@@ -428,6 +428,12 @@ class DistributedSender(SenderBase):
                     raise ValueError(obj)
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransportError(f"malformed join from worker {w}: {exc}") from None
+            if w >= self.ctx.num_workers:  # told, so that it stops waiting (a launcher's off-by-one)
+                why = f"worker_idx {w} is out of range: this sender has {self.ctx.num_workers} workers"
+                log.warning("distributed sender refused a join: %s", why)
+                store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="refused"),
+                                                                            why.encode()))
+                return
             with self.cond:
                 if not self.closing:
                     self._join(w, inbox, nbytes)

@@ -18,7 +18,9 @@ control messages onto each receiver's inbox queue, which the receiver handles in
   receiver joins again under a new inbox, so it gets the newest version once it is reachable);
 - ``stop`` (wake up, the receiver is closing) and ``bye`` (the sender shut down);
 - ``replaced`` (another receiver joined under this one's worker index and took its place: this
-  one stops for good, instead of joining again and taking the index back).
+  one stops for good, instead of joining again and taking the index back);
+- ``refused`` (the sender does not take this receiver's join: its worker index is out of range;
+  the reason comes where a header would; this one stops for good).
 
 Each receiver bumps its heartbeat counter in the store; the sender also sets an ``evict`` key for
 an inbox it gave up, which the receiver's heartbeat thread reads (its receive thread may be stuck
@@ -127,7 +129,7 @@ def decode_event(raw: bytes) -> tuple[bytes, int, bytes]:
 
 
 #: the kinds of control message (see the module's docstring)
-KINDS = ("data", "commit", "abort", "evict", "stop", "bye", "replaced")
+KINDS = ("data", "commit", "abort", "evict", "stop", "bye", "replaced", "refused")
 
 
 @dataclass(frozen=True)

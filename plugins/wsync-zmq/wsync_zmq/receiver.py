@@ -21,8 +21,8 @@ import zmq
 from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError, Wakeup
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
-from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, REPLACED, WANT, Hello,
-                   decode_answer, decode_delivery, header_limit, payload_tensor)
+from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, REFUSED, REPLACED, WANT, Hello,
+                   decode_answer, decode_delivery, decode_refusal, header_limit, payload_tensor)
 
 __all__ = ["ZmqReceiver"]
 
@@ -57,7 +57,9 @@ class ZmqReceiver(ReceiverBase):
         self._probe = 0  # the number of the last probe sent
         self._answer: bytes | None = None  # to that probe: CURRENT, NEWER, then DATA once a delivery came
         self._wakeup = Wakeup()  # its eventfd, in the poller, ends a wait at once (the base keeps the flag)
-        self._replaced = False  # the sender took another connection for this worker index
+        #: why the sender serves this connection no more (it took another one for this worker index,
+        #: or refused this one's hello), raised by every call from then on
+        self._told: str | None = None
         self._met = False  # a handshake with the sender succeeded once
         self._cut = 0  # handshakes cut short since the last one that succeeded
 
@@ -89,7 +91,7 @@ class ZmqReceiver(ReceiverBase):
         self.check_open()
         if self._woken:
             return None
-        self._check_replaced()
+        self._check_told()
         self._pump()
         if self._mail is not None and self._connected and not deadline.expired():
             # it waited here while the worker was away: newer versions may wait at the sender; with
@@ -180,8 +182,13 @@ class ZmqReceiver(ReceiverBase):
         rest, extra = rest_of(sock, first, 1)
         frames = [first, *rest]
         if len(frames) == 1 and len(first) == 1 and not extra and memoryview(first).cast("B")[0] == REPLACED[0]:
-            self._replaced = True
-            self._check_replaced()
+            self._told = (f"another connection to the sender said hello as worker {self._worker} and took its place "
+                          f"(a process started again under the same worker_idx while this one runs?); this one gets "
+                          f"no more versions and keeps the one it holds")
+            self._check_told()
+        if len(frames) == 1 and len(first) and not extra and memoryview(first).cast("B")[0] == REFUSED[0]:
+            self._told = f"the sender refused it: {decode_refusal(first)}"
+            self._check_told()
         if len(frames) == 1 and len(first) and memoryview(first).cast("B")[0] in _ANSWERS:
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:
@@ -198,12 +205,9 @@ class ZmqReceiver(ReceiverBase):
         self._answer = DATA
         return True
 
-    def _check_replaced(self) -> None:
-        if self._replaced:
-            raise TransportError(f"worker {self._worker}: another connection to the sender said hello as worker "
-                                 f"{self._worker} and took its place (a process started again under the same "
-                                 f"worker_idx while this one runs?); this one gets no more versions and keeps "
-                                 f"the one it holds")
+    def _check_told(self) -> None:
+        if self._told is not None:
+            raise TransportError(f"worker {self._worker}: {self._told}")
 
     def ack(self, data: bytes) -> None:
         """Send an ack, which also asks for the next version."""

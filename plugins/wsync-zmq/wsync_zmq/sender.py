@@ -22,7 +22,7 @@ from wsync_core.forked import close_inherited
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
-                   encode_delivery)
+                   encode_delivery, encode_refusal)
 
 __all__ = ["ZmqSender"]
 
@@ -243,8 +243,9 @@ class ZmqSender(SenderBase):
             hello = msg.hello
             w = hello.worker
             if not w < self.ctx.num_workers:
-                log.warning("zmq sender ignored a hello from peer %s claiming worker %d (num_workers=%d)",
-                            rid.hex(), w, self.ctx.num_workers)
+                why = f"worker_idx {w} is out of range: this sender has {self.ctx.num_workers} workers"
+                log.warning("zmq sender refused a hello from peer %s: %s", rid.hex(), why)
+                self._tell(rid, encode_refusal(why), f"peer {rid.hex()}")
                 return
             old = self._peers.get(w)
             if old is not None and old.rid != rid:

@@ -35,15 +35,19 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
 
 __all__ = [
-    "DATA", "CURRENT", "NEWER", "REPLACED", "HELLO", "ACK", "BYE", "WANT", "PROBE",
+    "DATA", "CURRENT", "NEWER", "REPLACED", "REFUSED", "MAX_REFUSAL_BYTES", "HELLO", "ACK", "BYE", "WANT", "PROBE",
     "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES", "DELIVERY_HEAD",
     "Hello", "PeerMessage",
-    "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "decode_peer", "payload_tensor",
+    "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "encode_refusal", "decode_refusal", "decode_peer", "payload_tensor",
 ]
 
 DATA, CURRENT, NEWER = b"D", b"C", b"N"
 #: sender -> a worker's connection: another connection now speaks for that worker index
 REPLACED = b"R"
+#: sender -> a connection whose hello it refused (a worker index out of range), with why (UTF-8 text)
+REFUSED = b"X"
+#: the longest reason a refusal carries
+MAX_REFUSAL_BYTES = 300
 HELLO, ACK, BYE, WANT, PROBE = b"H", b"A", b"B", b"W", b"P"
 #: the longest probe sequence number accepted (decimal digits)
 MAX_SEQ_BYTES = 20
@@ -170,6 +174,17 @@ def decode_answer(frames: Sequence[Any], extra: int) -> tuple[bytes, bytes]:
         raise TransportError(f"malformed message from the sender: expected [b'C' + seq] or [b'N' + seq], "
                              f"got {_describe(frames, extra)}")
     return kind, _seq(body, "the sender")
+
+
+def encode_refusal(reason: str) -> bytes:
+    """The message refusing a connection's hello, saying why (cut to ``MAX_REFUSAL_BYTES``)."""
+    return REFUSED + reason.encode("utf-8")[:MAX_REFUSAL_BYTES]
+
+
+def decode_refusal(frame: Any) -> str:
+    """The reason a refusal gives, as text: undecodable bytes replaced, cut to ``MAX_REFUSAL_BYTES``
+    (it is only shown to the user)."""
+    return bytes(memoryview(frame).cast("B")[1:1 + MAX_REFUSAL_BYTES]).decode("utf-8", "replace")
 
 
 def decode_peer(frames: Sequence[Any], extra: int) -> PeerMessage:
