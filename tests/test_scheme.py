@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -678,6 +679,8 @@ def test_a_number_option_is_checked_by_name_and_range() -> None:
     """``transport.number``: a number in range comes back as a float (an int where asked);
     a bool, a string, NaN or a value out of range raises ValueError naming the option and the range."""
     assert number("x", 5, 0.5, 3600) == 5.0 and number("p", 80, 1, 65535, integer=True) == 80
+    assert number("n", np.int64(2), 1, integer=True) == 2 and type(number("n", np.int64(2), 1, integer=True)) is int
+    assert number("x", np.float32(0.5), 0) == 0.5  # NumPy's numbers are numbers (num_workers=np.int64(2) was refused)
     for value, low, high, kw, said in [
             (True, 0, 9, {}, "x must be a number in [0, 9], got True"),
             ("5", 0, math.inf, {}, "x must be a number >= 0, got '5'"),

@@ -25,7 +25,7 @@ from .delta import INDEX_BYTES, WIRE_DTYPES, Op, apply_ops, check_indices, decod
 from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
-from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport
+from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport, number
 from .weights import (EXTRA_STATE, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
                       restore_extra_state, stranded_meta, unwrap)
 
@@ -47,8 +47,7 @@ class Receiver:
                  lock: threading.RLock) -> None:
         """Check ``model`` and build (not open) the endpoint. Raises ValueError for a bad
         ``worker_idx``, TypeError for a model of another type."""
-        if isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0:
-            raise ValueError(f"worker_idx must be an int >= 0, got {worker_idx!r}")
+        worker_idx = number("worker_idx", worker_idx, 0, integer=True)
         model = unwrap(model)
         check_holds_writes(model)
         tensors = flatten(model, strategy)

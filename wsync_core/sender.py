@@ -26,7 +26,7 @@ from .errors import SchemaMismatchError, StateError, TransportError, WorkerDiedE
 from .layout import ALIGN, Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
-from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport
+from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport, number
 from .weights import Weights, device_of, flatten, meta_keys, unwrap
 
 __all__ = ["Sender", "SendHandle"]
@@ -90,8 +90,7 @@ class Sender:
                  delta_dense: float | None = None) -> None:
         """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on
         the meta device or a bad ``num_workers``, TypeError for weights of another type."""
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        num_workers = number("num_workers", num_workers, 1, integer=True)
         tensors = flatten(source, strategy)
         _refuse_meta(tensors, "init_on_sender()")
         self.layout = Layout.of(tensors)

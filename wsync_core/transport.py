@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import math
+import numbers
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -387,9 +388,9 @@ def number(name: str, value: Any, low: float, high: float = math.inf, *, above: 
            integer: bool = False) -> Any:
     """``value`` (a float, or an int where ``integer``) if it is a number, not a bool, with
     ``low <= value <= high`` (``low < value`` where ``above``); raises ValueError naming ``name`` and
-    the range for anything else, NaN and strings included."""
-    kinds = (int,) if integer else (int, float)
-    if (isinstance(value, kinds) and not isinstance(value, bool)
+    the range for anything else, NaN and strings included. NumPy's numbers count as numbers."""
+    kind = numbers.Integral if integer else numbers.Real
+    if (isinstance(value, kind) and not isinstance(value, bool)
             and (low < value if above else low <= value) and value <= high):
         return int(value) if integer else float(value)
     what = "an int" if integer else "a number"
