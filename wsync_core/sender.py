@@ -70,7 +70,8 @@ class SendHandle:
         return sender.applied(self.version, self.targets)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Return the version once all targets applied it.
+        """Return the version once all targets applied it or a newer one (which holds every key
+        of it: a version a worker refused completes once it applied a newer one).
 
         Raises WorkerTimeoutError naming the targets that did not ack by the timeout (the
         scheme's by default), or the error a worker reported for this version.
