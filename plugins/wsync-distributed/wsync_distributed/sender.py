@@ -431,8 +431,11 @@ class DistributedSender(SenderBase):
             if w >= self.ctx.num_workers:  # told, so that it stops waiting (a launcher's off-by-one)
                 why = f"worker_idx {w} is out of range: this sender has {self.ctx.num_workers} workers"
                 log.warning("distributed sender refused a join: %s", why)
-                store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="refused"),
-                                                                            why.encode()))
+                try:  # (a stray worker's inbox: failing to tell it must not stop this reader)
+                    store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="refused"),
+                                                                                why.encode()))
+                except (RuntimeError, OSError) as exc:
+                    log.debug("distributed sender: could not tell worker %d it was refused: %s", w, wire.brief(exc))
                 return
             with self.cond:
                 if not self.closing:

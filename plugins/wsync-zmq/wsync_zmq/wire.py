@@ -35,10 +35,11 @@ from wsync_core.layout import Layout
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
 
 __all__ = [
-    "DATA", "CURRENT", "NEWER", "REPLACED", "REFUSED", "MAX_REFUSAL_BYTES", "HELLO", "ACK", "BYE", "WANT", "PROBE",
+    "DATA", "CURRENT", "NEWER", "REPLACED", "REFUSED", "HELLO", "ACK", "BYE", "WANT", "PROBE", "MAX_REFUSAL_BYTES",
     "MAX_HELLO_BYTES", "MAX_PEER_FRAME", "MAX_SEQ_BYTES", "DELIVERY_HEAD",
     "Hello", "PeerMessage",
-    "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "encode_refusal", "decode_refusal", "decode_peer", "payload_tensor",
+    "header_limit", "encode_delivery", "decode_delivery", "decode_answer", "encode_refusal", "decode_refusal",
+    "decode_peer", "payload_tensor",
 ]
 
 DATA, CURRENT, NEWER = b"D", b"C", b"N"
