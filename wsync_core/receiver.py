@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,7 +91,7 @@ class Receiver:
         #: overlaps in part (``_overlaps``), found at the first full payload of the sender
         #: ``_ties_of``; every version is checked against them (``_check_ties``)
         self._ties: list[list[str]] = []
-        self._overlaps: list[_Overlap] = []
+        self._overlaps: list[list[str]] = []
         self._ties_of: str | None = None
         #: the delivery (and its header) a receive took but could not apply because the apply guard
         #: raised: the next receive applies it, or a newer one
@@ -437,11 +436,10 @@ class Receiver:
         """Raise SchemaMismatchError if two keys that are one tensor in the worker's model (tied:
         found at each sender's first full payload) come with different bytes in this one: the
         model could hold only one of them (the sender's are not tied, and no longer equal); the
-        same for two keys whose memory overlaps in part (one a slice of the other), where they
-        overlap. Raises it also for an overlap it cannot check (``_overlaps``)."""
+        same for keys whose memory overlaps otherwise (one a slice or a transposed view of
+        another), where they overlap (``_check_overlap``)."""
         if header.session != self._ties_of:
-            ties, overlaps = _tie_groups(targets), _overlaps(targets, where)
-            self._ties, self._overlaps, self._ties_of = ties, overlaps, header.session
+            self._ties, self._overlaps, self._ties_of = _tie_groups(targets), _overlaps(targets), header.session
         for keys in self._ties:
             first = layout.entry(keys[0])
             for key in keys[1:]:
@@ -449,15 +447,8 @@ class Receiver:
                 if not torch.equal(payload[first.offset:first.offset + first.nbytes],
                                    payload[e.offset:e.offset + e.nbytes]):
                     raise _tie_broken(where, keys[0], key)
-        for o in self._overlaps:
-            a, b = layout.entry(o.keys[0]), layout.entry(o.keys[1])
-            size = a.torch_dtype.itemsize  # (of the wire dtype, for a payload in one: elements map one to one)
-            at, bt = a.offset + o.starts[0] * size, b.offset + o.starts[1] * size
-            if not torch.equal(payload[at:at + o.count * size], payload[bt:bt + o.count * size]):
-                raise SchemaMismatchError(
-                    f"{where}: {o.keys[0]!r} and {o.keys[1]!r} share memory in this worker's model (one views part of "
-                    f"the other) but the sender's values differ where they overlap: the model cannot hold both; "
-                    f"give the worker separate tensors (e.g. clone one of them), or share them alike in the trainer")
+        for keys in self._overlaps:
+            _check_overlap(keys, targets, payload, layout, where)
 
 
 @contextlib.contextmanager
@@ -570,42 +561,68 @@ def _tie_groups(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return [keys for keys in tied.values() if len(keys) > 1]
 
 
-@dataclass(frozen=True)
-class _Overlap:
-    """Two keys of a worker's model whose memory overlaps in part: ``count`` elements, from element
-    ``starts[0]`` of the first and ``starts[1]`` of the second."""
+def _overlaps(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The keys whose memory overlaps without their being one tensor (``_tie_groups``): one a
+    slice, a transposed or reinterpreted view of another, in groups of two or more."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + _extent(t), key) for key, t in targets.items()
+                   if t.numel() and t.device.type != "meta")
+    groups: list[list[str]] = []
+    group: list[str] = []
+    reach = 0
+    for lo, hi, key in spans:
+        if group and lo < reach:
+            group.append(key)
+            reach = max(reach, hi)
+            continue
+        groups.append(group)
+        group, reach = [key], hi
+    groups.append(group)
+    return [g for g in groups if len({_identity(targets[k]) for k in g}) > 1]
 
-    keys: tuple[str, str]
-    starts: tuple[int, int]
-    count: int
+
+def _extent(t: torch.Tensor) -> int:
+    """How many bytes from ``t``'s first element its last one ends."""
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _overlaps(targets: Mapping[str, torch.Tensor], where: str) -> list[_Overlap]:
-    """The pairs of keys whose memory overlaps without their being one tensor (``_tie_groups``):
-    a slice of another, or two overlapping slices. Raises SchemaMismatchError for a pair that is
-    not two contiguous tensors of one dtype, whose overlap cannot be checked element by element
-    (writing each key whole, the receive would leave the model a mix)."""
-    spans: list[tuple[int, int, str, torch.Tensor]] = []
-    for key, t in targets.items():
-        if t.numel() and t.device.type != "meta":
-            extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size(), key, t))
-    spans.sort(key=lambda span: span[:2])
-    found: list[_Overlap] = []
-    for i, (lo, hi, key, t) in enumerate(spans):
-        for lo2, hi2, key2, t2 in spans[i + 1:]:
-            if lo2 >= hi:
-                break
-            if (lo2 == lo and t2.dtype == t.dtype and t2.shape == t.shape and t2.stride() == t.stride()):
-                continue  # one tensor under two keys: tied
-            size = t.element_size()
-            if not (t.dtype == t2.dtype and t.is_contiguous() and t2.is_contiguous() and (lo2 - lo) % size == 0):
+def _identity(t: torch.Tensor) -> tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def _check_overlap(keys: list[str], targets: Mapping[str, torch.Tensor], payload: torch.Tensor, layout: Layout,
+                   where: str) -> None:
+    """Raise SchemaMismatchError unless writing each of ``keys`` (whose memory overlaps in the
+    worker's model) from ``payload`` leaves every one of them holding its own values: the
+    writes are made in a scratch copy of the memory they share, then each key read back."""
+    tensors = [targets[k] for k in keys]
+    lo = min(t.data_ptr() for t in tensors)
+    scratch = torch.empty(max(t.data_ptr() + _extent(t) for t in tensors) - lo, dtype=torch.uint8,
+                          device=tensors[0].device)
+    written = []
+    with torch.no_grad():
+        for key, t in zip(keys, tensors):
+            size, at = t.element_size(), t.data_ptr() - lo
+            if at % size:
+                raise SchemaMismatchError(f"{where}: {key!r} shares memory with {keys[0]!r} in this worker's model "
+                                          f"at an offset its dtype cannot be read from; give the worker separate "
+                                          f"tensors (e.g. clone one of them)")
+            typed = scratch[:scratch.numel() // size * size].view(t.dtype)
+            view = typed.as_strided(t.shape, t.stride(), at // size)
+            values = Layout.view(payload, layout.entry(key)).to(device=t.device, dtype=t.dtype)
+            view.copy_(values)
+            written.append((key, view, values))
+        for key, view, values in written:
+            if not torch.equal(_bytes_of(view), _bytes_of(values)):
+                others = ", ".join(repr(k) for k in keys if k != key)
                 raise SchemaMismatchError(
-                    f"{where}: {key!r} and {key2!r} share memory in this worker's model (one views part of the "
-                    f"other) but are not contiguous tensors of one dtype, so the receive cannot check that the "
-                    f"sender's values agree where they overlap; give the worker separate tensors (e.g. clone one)")
-            found.append(_Overlap((key, key2), ((lo2 - lo) // size, 0), (min(hi, hi2) - lo2) // size))
-    return found
+                    f"{where}: {key!r} shares memory with {others} in this worker's model (one views part of "
+                    f"another) but the sender's values differ where they overlap: the model cannot hold them all; "
+                    f"give the worker separate tensors (e.g. clone one of them), or share them alike in the trainer")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as raw bytes, in order (NaNs compared bit for bit)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _check_tied_ops(ties: list[list[str]], ops: Sequence[Op], payload: torch.Tensor, where: str) -> None:
