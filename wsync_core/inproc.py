@@ -33,6 +33,7 @@ from .transport import (
     SenderEndpoint,
     Transport,
     flag,
+    index_refusal,
 )
 
 __all__ = ["InprocTransport"]
@@ -173,10 +174,8 @@ class _Receiver(ReceiverEndpoint):
     def _refusal(self, channel: _Channel) -> str | None:
         """Why the channel's sender, if open, does not take this worker (its index out of range,
         a launcher's off-by-one), or None (caller holds ``channel.cond``)."""
-        if channel.sender and self.worker >= channel.num_workers:
-            return (f"inproc channel {self.name!r}: worker_idx {self.worker} is out of range: its sender has "
-                    f"{channel.num_workers} workers")
-        return None
+        why = index_refusal(self.worker, channel.num_workers) if channel.sender else None
+        return None if why is None else f"inproc channel {self.name!r}: {why}"
 
     def wake(self) -> None:
         _wake(self)

@@ -557,7 +557,7 @@ def _tie_groups(targets: Mapping[str, torch.Tensor]) -> list[list[str]]:
     tied: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]], list[str]] = {}
     for key, t in targets.items():
         if t.numel() and t.device.type != "meta":
-            tied.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append(key)
+            tied.setdefault(_identity(t), []).append(key)
     return [keys for keys in tied.values() if len(keys) > 1]
 
 
@@ -586,6 +586,7 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _identity(t: torch.Tensor) -> tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    """What makes two keys one tensor (tied): the same memory, dtype, shape and strides."""
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "parse_value",
     "flag",
     "number",
+    "index_refusal",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -396,6 +397,14 @@ def number(name: str, value: Any, low: float, high: float = math.inf, *, above: 
     what = "an int" if integer else "a number"
     span = f"{'(' if above else '['}{low:g}, {high:g}]" if high != math.inf else f"{'>' if above else '>='} {low:g}"
     raise ValueError(f"{name} must be {what} {'in ' if high != math.inf else ''}{span}, got {value!r}")
+
+
+def index_refusal(worker: int, num_workers: int) -> str | None:
+    """Why a sender of ``num_workers`` workers refuses worker ``worker`` (its index out of range,
+    a launcher's off-by-one), to tell that worker; None if it takes it."""
+    if 0 <= worker < num_workers:
+        return None
+    return f"worker_idx {worker} is out of range: this sender has {num_workers} workers"
 
 
 def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:

@@ -46,7 +46,7 @@ from wsync_core import (
     TransportError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event, flag
+from wsync_core.transport import Event, flag, index_refusal
 
 __all__ = ["FilesTransport"]
 
@@ -267,10 +267,10 @@ class _Sender(SenderEndpoint):
         for name in names:
             if (m := _HELLO.fullmatch(name)) and (data := self._read_once(name, 256)) and _alive(data):
                 w = int(m[1])
-                if w < self.num_workers:
+                why = index_refusal(w, self.num_workers)
+                if why is None:
                     hellos[w] = data
                 elif self.told.get(w) != data:  # told once per hello, so it stops waiting
-                    why = f"worker_idx {w} is out of range: this sender has {self.num_workers} workers"
                     _write(self.dir, f"to-{w}", b"refused " + why.encode())
                     self.told[w] = data
         events: list[Event] = [Joined(w) for w, data in hellos.items() if self.hellos.get(w) != data]

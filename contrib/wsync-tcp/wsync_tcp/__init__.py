@@ -99,7 +99,8 @@ class TcpTransport(Transport):
         if authkey is not None and (not isinstance(authkey, str) or not authkey):
             raise ValueError("tcp option authkey must be a non-empty string")
         super().__init__(host=host, port=port, advertise=advertise, authkey=authkey,
-                         heartbeat=number("tcp option heartbeat (seconds)", heartbeat, 0.5, 3600), checksum=flag("tcp option checksum", checksum))
+                         heartbeat=number("tcp option heartbeat (seconds)", heartbeat, 0.5, 3600),
+                         checksum=flag("tcp option checksum", checksum))
 
     def sender(self, ctx: SenderContext) -> _Sender:
         return _Sender(self.options, ctx)

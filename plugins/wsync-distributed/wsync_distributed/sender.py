@@ -44,6 +44,7 @@ from wsync_core.endpoints import SenderBase
 from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import decode_json
+from wsync_core.transport import index_refusal
 
 from . import wire
 from .config import Config
@@ -428,8 +429,8 @@ class DistributedSender(SenderBase):
                     raise ValueError(obj)
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransportError(f"malformed join from worker {w}: {exc}") from None
-            if w >= self.ctx.num_workers:  # told, so that it stops waiting (a launcher's off-by-one)
-                why = f"worker_idx {w} is out of range: this sender has {self.ctx.num_workers} workers"
+            why = index_refusal(w, self.ctx.num_workers)
+            if why is not None:  # told, so that it stops waiting
                 log.warning("distributed sender refused a join: %s", why)
                 try:  # (a stray worker's inbox: failing to tell it must not stop this reader)
                     store.queue_push(wire.inbox_key(inbox), wire.encode_control(wire.Control(kind="refused"),

@@ -56,7 +56,7 @@ from wsync_core import (
     WorkerTimeoutError,
     zero_copy_for,
 )
-from wsync_core.transport import Event, flag
+from wsync_core.transport import Event, flag, index_refusal
 
 from . import wire
 from .wire import FRAMING, REASON_BYTES, Kind
@@ -330,8 +330,9 @@ class _Sender(SenderEndpoint):
             conn.reading = False
 
     def _hello(self, conn: _Conn, w: int) -> None:
-        if not 0 <= w < self._num_workers:
-            return self._refuse(conn, f"worker_idx {w} is out of range: this sender has {self._num_workers} workers")
+        why = index_refusal(w, self._num_workers)
+        if why is not None:
+            return self._refuse(conn, why)
         old = self._conns.get(w)
         if old is not None:  # a worker that restarted: its old connection may have closed already, behind acks not read yet
             self._read_rest(old)

@@ -19,6 +19,7 @@ import zmq.auth.thread
 from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
 from wsync_core import forked
 from wsync_core.forked import close_inherited
+from wsync_core.transport import index_refusal
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
@@ -242,8 +243,8 @@ class ZmqSender(SenderBase):
         if msg.kind == HELLO:
             hello = msg.hello
             w = hello.worker
-            if not w < self.ctx.num_workers:
-                why = f"worker_idx {w} is out of range: this sender has {self.ctx.num_workers} workers"
+            why = index_refusal(w, self.ctx.num_workers)
+            if why is not None:
                 log.warning("zmq sender refused a hello from peer %s: %s", rid.hex(), why)
                 self._tell(rid, encode_refusal(why), f"peer {rid.hex()}")
                 return
