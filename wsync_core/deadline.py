@@ -19,6 +19,8 @@ class Deadline:
     """
 
     __slots__ = ("timeout", "_end")
+    timeout: float
+    _end: float
 
     def __init__(self, timeout: float) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):

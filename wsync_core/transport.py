@@ -390,7 +390,8 @@ def number(name: str, value: Any, low: float, high: float = math.inf, *, above: 
     """``value`` (a float, or an int where ``integer``) if it is a number, not a bool, with
     ``low <= value <= high`` (``low < value`` where ``above``); raises ValueError naming ``name`` and
     the range for anything else, NaN and strings included. NumPy's numbers count as numbers."""
-    kind = numbers.Integral if integer else numbers.Real
+    # (the numbers ABCs declare no comparison with a float in typeshed: a checked value stays Any)
+    kind: type[Any] = numbers.Integral if integer else numbers.Real
     if (isinstance(value, kind) and not isinstance(value, bool)
             and (low < value if above else low <= value) and value <= high):
         return int(value) if integer else float(value)
