@@ -42,7 +42,7 @@ _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _madvise() -> object | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -63,7 +63,7 @@ class Slot:
         """Map the file ``fd`` (sized already; owned from now on). Raises OSError if it cannot be mapped."""
         self.fd = fd
         self.nbytes = nbytes
-        self.map = mmap.mmap(fd, max(offset + nbytes, 1), flags=mmap.MAP_SHARED | _POPULATE)
+        self.map: mmap.mmap | None = mmap.mmap(fd, max(offset + nbytes, 1), flags=mmap.MAP_SHARED | _POPULATE)
         self.tensor: torch.Tensor | None = (torch.frombuffer(self.map, dtype=torch.uint8, offset=offset, count=nbytes)
                                             if nbytes else torch.empty(0, dtype=torch.uint8))
 
@@ -140,7 +140,7 @@ class PrivateMap:
         self._cold = True     # pages to fault in (new, or some dropped by ``clean``)
         self._viewed = False  # a view went out since the last ``clean``
 
-    def view(self, offset: int, nbytes: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def view(self, offset: int, nbytes: int) -> tuple[torch.Tensor, Callable[[], object] | None]:
         """A delivery's payload: ``nbytes`` at ``offset``; and what to run after the ack to fault
         its pages in (``Delivery.warm``), or None when they are in already."""
         payload = self.base[offset:offset + nbytes]
@@ -217,6 +217,7 @@ def discard_written(base: torch.Tensor) -> int:
 
 
 def _advise(start: int, length: int, advice: int) -> None:
+    assert _madvise_fn is not None  # (discard_written, its caller, returns first without one)
     if _madvise_fn(start, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise({advice}) of {length} bytes failed: {os.strerror(err)}")

@@ -177,7 +177,7 @@ class Delivery:
     payload: torch.Tensor
     release: Callable[[], None] | None = None
     adoptable: bool = False
-    warm: Callable[[], None] | None = None
+    warm: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
