@@ -160,7 +160,8 @@ def _layout_shaped(raw: Any) -> bool:
 
 
 def _host_bytes(buffer: torch.Tensor) -> memoryview:
-    return memoryview(buffer.cpu().numpy()).cast("B")
+    # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+    return memoryview(buffer.cpu().numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def checksum(buffer: torch.Tensor) -> list[int]:

@@ -202,7 +202,8 @@ class _Reader:
                     self.skip = self.need_payload
                     self.view, self.pos = memoryview(bytearray(min(self.skip, 1 << 20))), 0
                 else:
-                    self.view, self.pos = memoryview(target.numpy()).cast("B"), 0
+                    # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+                    self.view, self.pos = memoryview(target.numpy()).cast("B"), 0  # type: ignore[arg-type]
                 return n, None
         return n, self._finish()
 
@@ -629,7 +630,8 @@ class StreamSender(_Loop, SenderBase):
         size = payload.numel() if conn.fits else 0
         conn.push(frame(Kind.DELIVER, header, len(header), size))
         if size:
-            conn.out.append(memoryview(payload.numpy()).cast("B"))
+            # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+            conn.out.append(memoryview(payload.numpy()).cast("B"))  # type: ignore[arg-type]
 
     def _answer(self, conn: _Conn) -> None:
         """Answer the probe: everything the worker was sent before this frame is all there is."""

@@ -127,7 +127,8 @@ def _collision(name: str, where: Any) -> str:
 
 def _refuse_uninitialized(items: list[tuple[str, torch.Tensor | None]]) -> None:
     """Raise TypeError naming the parameters and buffers a lazy module has not made yet, if any."""
-    lazy = [k for k, v in items if isinstance(v, nn.parameter.UninitializedTensorMixin)]
+    # (torch's parameter.pyi leaves UninitializedTensorMixin out)
+    lazy = [k for k, v in items if isinstance(v, nn.parameter.UninitializedTensorMixin)]  # type: ignore[attr-defined]
     if lazy:
         raise TypeError(f"{clip_keys(lazy)} of the model are not initialized yet (a lazy module such as nn.LazyLinear "
                         f"has no shape until its first forward pass): run one forward pass on a sample input, "
@@ -275,7 +276,8 @@ def materialize(weights: Any, device: torch.device) -> None:
 
     if isinstance(weights, nn.Module):
         for m in weights.modules():
-            for table in (m._parameters, m._buffers):
+            tables: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)  # (real() keeps a Parameter one)
+            for table in tables:
                 for name, t in table.items():
                     if t is not None and t.is_meta:
                         table[name] = real(t)
