@@ -185,10 +185,11 @@ class Mirror:
             if step is None:
                 return None
             for i, idx in step.items():
-                if idx is None or i in out and out[i] is None:
+                parts = out.setdefault(i, [])
+                if idx is None or parts is None:
                     out[i] = None
                 else:
-                    out.setdefault(i, []).append(idx)
+                    parts.append(idx)
         merged: dict[int, torch.Tensor | None] = {}
         for i, parts in out.items():
             if parts is None:
@@ -224,12 +225,12 @@ class Mirror:
         with torch.no_grad():
             for i in sorted(changes):
                 offset = _align(offset)
-                count, size = self._section(i, changes[i])
+                idx = changes[i]
+                count, size = self._section(i, idx)
                 flat = self.flat[i]
-                if count < 0:
+                if idx is None or count < 0:  # (_section counts a None entry -1: in full)
                     buffer[offset:offset + size].copy_(flat.view(torch.uint8))
                 else:
-                    idx = changes[i]
                     vals_at = offset + _align(count * INDEX_BYTES)
                     buffer[offset:offset + count * INDEX_BYTES].view(torch.int32).copy_(idx)
                     dst = buffer[vals_at:vals_at + count * flat.element_size()].view(flat.dtype)
@@ -432,7 +433,7 @@ def _changed(mirror: torch.Tensor, src: torch.Tensor, scratch: _Scratch) -> torc
     size = mirror.element_size()
     m_words = _words(mirror) if size < 8 else None
     s_words = _words(src) if m_words is not None else None
-    if s_words is None:
+    if s_words is None or m_words is None:  # (s_words is None whenever m_words is)
         m_bits, s_bits = _bits(mirror), _bits(src)
         ne = s_bits != m_bits
         if ne.dim() > 1:
@@ -541,6 +542,7 @@ def apply_ops(ops: Sequence[Op], indices: Sequence[torch.Tensor | None], payload
                 else:
                     t.copy_(src)
                 continue
+            assert idx is not None  # check_indices gives every sparse section its indices
             vals = payload[op.values_at:op.values_at + op.count * dtype.itemsize].view(dtype)
             if vals.device != t.device:
                 vals, idx = vals.to(t.device), idx.to(t.device)
