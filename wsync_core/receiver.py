@@ -25,7 +25,7 @@ from .layout import Layout
 from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport, number
-from .weights import (EXTRA_STATE, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
+from .weights import (EXTRA_STATE, Strategy, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
                       restore_extra_state, stranded_meta, unwrap)
 
 __all__ = ["Receiver"]
@@ -42,7 +42,7 @@ _MAX_DRAIN = 256
 class Receiver:
     """Worker ``worker_idx``'s receiver into ``model`` (updated in place); used under ``lock``."""
 
-    def __init__(self, transport: Transport, model: Weights, *, worker_idx: int, model_id: str, strategy: str,
+    def __init__(self, transport: Transport, model: Weights, *, worker_idx: int, model_id: str, strategy: Strategy,
                  lock: threading.RLock) -> None:
         """Check ``model`` and build (not open) the endpoint. Raises ValueError for a bad
         ``worker_idx``, TypeError for a model of another type."""

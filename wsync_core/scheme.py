@@ -19,7 +19,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -32,7 +32,7 @@ from .registry import resolve_transport
 from .report import SendReport
 from .sender import Sender, SendHandle
 from .transport import Transport, flag
-from .weights import Weights, check_strategy
+from .weights import Strategy, Weights, check_strategy
 
 __all__ = ["WeightSyncScheme", "SendHandle"]
 
@@ -44,6 +44,19 @@ class _State(enum.Enum):
     RECEIVER = "initialized as receiver"
     RECEIVER_CONNECTED = "connected receiver"
     CLOSED = "shut down"
+
+
+class _Config(TypedDict):
+    """A scheme's configuration: what it pickles (beside its transport)."""
+
+    strategy: Strategy
+    sync: bool
+    timeout: float
+    model_id: str | None
+    delta: bool | str
+    delta_bases: int
+    delta_dense: float | None
+    wire_dtype: str | None
 
 
 class WeightSyncScheme:
@@ -91,7 +104,7 @@ class WeightSyncScheme:
             raise ValueError(f"delta_dense must be a number in [0, 1] or None, got {delta_dense!r}")
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
-        self._config = {"strategy": check_strategy(strategy), "sync": flag("sync", sync),
+        self._config: _Config = {"strategy": check_strategy(strategy), "sync": flag("sync", sync),
                         "timeout": float(timeout), "model_id": None,
                         "delta": delta if delta == "always" else bool(delta),
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
@@ -120,7 +133,7 @@ class WeightSyncScheme:
         return self._transport
 
     @property
-    def strategy(self) -> str:
+    def strategy(self) -> Strategy:
         """How the model's tensors are read: "tensordict" or "state_dict"."""
         return self._config["strategy"]
 
@@ -223,10 +236,22 @@ class WeightSyncScheme:
         raise StateError(f"{call}() needs {need}, but this scheme is {self._state.value}"
                          + (f"; {hint}" if hint else ""))
 
-    def _opened(self) -> None:
+    def _opened(self, role: Sender | Receiver) -> None:
         """Once the role's endpoint is open: close it when this scheme is collected unshut."""
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, _close, self._role, self._pid)
+            self._finalizer = weakref.finalize(self, _close, role, self._pid)
+
+    def _sender(self) -> Sender:
+        """The role, in a state that has a Sender (``_expect`` said so)."""
+        role = self._role
+        assert isinstance(role, Sender)
+        return role
+
+    def _receiver(self) -> Receiver:
+        """The role, in a state that has a Receiver (``_expect`` said so)."""
+        role = self._role
+        assert isinstance(role, Receiver)
+        return role
 
     def add_report_listener(self, listener: Callable[[SendReport], None]) -> None:
         """Call ``listener(report)`` when a send completes or fails (sender side; not pickled).
@@ -235,7 +260,7 @@ class WeightSyncScheme:
         with self._lock:
             if not isinstance(self._role, Sender):
                 self._expect(_State.SENDER, "add_report_listener")
-            self._role.listeners.append(listener)
+            self._sender().listeners.append(listener)
 
     def add_apply_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(version)`` each time this receiver applied a version (the initial one
@@ -247,7 +272,7 @@ class WeightSyncScheme:
         with self._lock:
             if not isinstance(self._role, Receiver):
                 self._expect(_State.RECEIVER, "add_apply_listener")
-            self._role.apply_listeners.append(listener)
+            self._receiver().apply_listeners.append(listener)
 
     def set_apply_guard(self, guard: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         """Receiver: enter ``guard()`` around every change to the model's tensors, so a version is
@@ -259,7 +284,7 @@ class WeightSyncScheme:
         with self._lock:
             if not isinstance(self._role, Receiver):
                 self._expect(_State.RECEIVER, "set_apply_guard")
-            self._role.guard = guard
+            self._receiver().guard = guard
 
     # -- sender ------------------------------------------------------------------------------
     def init_on_sender(
@@ -304,7 +329,7 @@ class WeightSyncScheme:
             self._take_turn()
             try:
                 self._expect(_State.SENDER_CONNECTED, "send")
-                self._role.finish(handle.version, handle.targets, deadline)
+                self._sender().finish(handle.version, handle.targets, deadline)
             finally:
                 self._lock.release()
         return handle.version
@@ -320,7 +345,7 @@ class WeightSyncScheme:
         self._take_turn()
         try:
             self._expect(_State.SENDER_CONNECTED, call)
-            return self._role.send_async(weights, worker_ids, deadline, self._wait, keys)
+            return self._sender().send_async(weights, worker_ids, deadline, self._wait, keys)
         finally:
             self._lock.release()
 
@@ -328,7 +353,7 @@ class WeightSyncScheme:
         self._take_turn()
         try:
             self._expect(_State.SENDER_CONNECTED, "wait")
-            self._role.finish(handle.version, handle.targets, self._deadline(timeout))
+            self._sender().finish(handle.version, handle.targets, self._deadline(timeout))
         finally:
             self._lock.release()
 
@@ -371,9 +396,10 @@ class WeightSyncScheme:
             return None                     # for the apply guard with a newer version (this thread may hold it)
         try:
             self._expect(_State.RECEIVER_CONNECTED, "receive")
-            version = self._role.receive(deadline)
+            receiver = self._receiver()
+            version = receiver.receive(deadline)
             if version is None:
-                self._role.check_closing("receive()")
+                receiver.check_closing("receive()")
             return version
         finally:
             self._lock.release()
@@ -394,7 +420,7 @@ class WeightSyncScheme:
         if not isinstance(receiver, Receiver) or self._state is not _State.RECEIVER_CONNECTED:
             with self._lock:  # (checked again under the lock each time it is taken)
                 self._expect(_State.RECEIVER_CONNECTED, "wait_for_version")
-                receiver = self._role
+                receiver = self._receiver()
         return receiver.wait_for_version(version, self._deadline(timeout),
                                          lambda: self._expect(_State.RECEIVER_CONNECTED, "wait_for_version"))
 
@@ -406,7 +432,7 @@ class WeightSyncScheme:
         with self._lock:
             if self._state not in (_State.RECEIVER, _State.RECEIVER_CONNECTED):
                 self._expect(_State.RECEIVER, "rebind")
-            self._role.rebind(model, connected=self._state is _State.RECEIVER_CONNECTED)
+            self._receiver().rebind(model, connected=self._state is _State.RECEIVER_CONNECTED)
 
     # -- both --------------------------------------------------------------------------------
     def connect(self, timeout: float | None = None, *,
@@ -428,14 +454,16 @@ class WeightSyncScheme:
             if watch is not None and self._state is not _State.SENDER:
                 raise ValueError("connect(watch=...) is for a sender; receivers have no workers to watch")
             if self._state is _State.SENDER:
-                self._role.open(deadline)
-                self._opened()
+                sender = self._sender()
+                sender.open(deadline)
+                self._opened(sender)
                 self._state = _State.SENDER_CONNECTED  # usable for the workers that answer, whatever follows
-                self._role.start(deadline, watch)
+                sender.start(deadline, watch)
             elif self._state is _State.RECEIVER:
-                self._role.open(deadline)
-                self._opened()
-                self._role.connect(deadline)
+                receiver = self._receiver()
+                receiver.open(deadline)
+                self._opened(receiver)
+                receiver.connect(deadline)
                 self._state = _State.RECEIVER_CONNECTED
             else:
                 self._expect(_State.RECEIVER if self.worker_idx is not None else _State.SENDER, "connect")

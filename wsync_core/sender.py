@@ -27,7 +27,7 @@ from .layout import ALIGN, Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport, number
-from .weights import Weights, device_of, flatten, meta_keys, unwrap
+from .weights import Strategy, Weights, device_of, flatten, meta_keys, unwrap
 
 __all__ = ["Sender", "SendHandle"]
 
@@ -86,7 +86,7 @@ class SendHandle:
 class Sender:
     """One model sent to ``num_workers`` workers through ``transport``; used under ``lock``."""
 
-    def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: str,
+    def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: Strategy,
                  lock: threading.RLock, delta: bool | str = False, delta_bases: int = 2, wire_dtype: str | None = None,
                  delta_dense: float | None = None) -> None:
         """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on

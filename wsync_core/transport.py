@@ -38,7 +38,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Literal, Union, overload
 
 import torch
 
@@ -377,6 +377,10 @@ def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+@overload
+def flag(name: str, value: Any, *, optional: Literal[False] = False) -> bool: ...
+@overload
+def flag(name: str, value: Any, *, optional: bool) -> bool | None: ...
 def flag(name: str, value: Any, *, optional: bool = False) -> bool | None:
     """``value`` if it is True or False (or None where ``optional``); raises ValueError naming
     ``name`` for anything else (a string "no" would otherwise read as True)."""
