@@ -8,6 +8,7 @@ version, acks of asynchronous sends are collected).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import operator
@@ -17,6 +18,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -248,23 +250,28 @@ class Sender:
         if worker_ids is None:
             return list(range(self.num_workers))
         one = _index(worker_ids)
-        try:
-            given = [worker_ids] if one is not None else list(worker_ids)
+        given: list[object]
+        try:  # (an int is an index: refused below if a bool, which list() would refuse too)
+            given = [worker_ids] if one is not None or isinstance(worker_ids, int) else list(worker_ids)
         except TypeError:
             given = []
         targets = [_index(w) for w in given]
-        if not targets or any(w is None or not 0 <= w < self.num_workers for w in targets):
+        indices = [w for w in targets if w is not None and 0 <= w < self.num_workers]
+        if not targets or len(indices) < len(targets):
             raise ValueError(f"worker_ids must be a non-empty list of ints in [0, {self.num_workers}), got {worker_ids!r}")
-        return sorted(set(targets))
+        return sorted(set(indices))
 
     def _publish_new(self, tensors: dict[str, torch.Tensor], targets: list[int], deadline: Deadline,
                      version: int, keys: list[str] | None = None, plain: bool = False) -> int:
         """Snapshot ``tensors`` and publish them as ``version`` to the joined ``targets``;
         ``plain``: ``layout.ready(tensors, write=False)`` said so."""
-        choice = self.costs.next_send() if self.costs is not None and keys is None and version > 0 else "delta"
+        costs = self.costs
+        choice = costs.next_send() if costs is not None and keys is None and version > 0 else "delta"
         if choice == "full":  # a full send is cheaper here than a diff: stop diffing (and free the mirror)
+            # (only Costs says "full", once it timed a probe; a sender has Costs only beside a mirror)
+            assert costs is not None and costs.full is not None and self.mirror is not None
             log.info("delta=True: a full send (%.1f ms) beats a delta (%.1f ms) on this transport; sending full "
-                     "payloads from now on", self.costs.full * 1e3, min(t for t, _ in self.costs.delta) * 1e3)
+                     "payloads from now on", costs.full * 1e3, min(t for t, _ in costs.delta) * 1e3)
             self.mirror.release()
             self.mirror = self.costs = None
         if self.mirror is not None or self.wire is not None or keys is not None:
@@ -310,9 +317,12 @@ class Sender:
         report = SendReport(version, 0, targets, full_nbytes=self.wire_layout.nbytes)
         payloads: list[tuple[list[int], Callable[[torch.Tensor], tuple[Header, int]]]] = []
         if mirror is None:  # a wire dtype or a key subset, without delta: a full payload
-            if keys is not None and self._latest is None:
-                raise StateError("send(keys=...) before version 0 was published")
-            previous = self._latest[0].tensor if keys is not None else None
+            previous = None
+            if keys is not None:
+                latest = self._latest
+                if latest is None:
+                    raise StateError("send(keys=...) before version 0 was published")
+                previous = latest[0].tensor
             payloads.append((joined, lambda buf: self._pack_full(buf, version, tensors, keys, previous)))
             t1 = t0
         else:
@@ -330,11 +340,13 @@ class Sender:
                 groups.setdefault(self._holds.get(w), []).append(w)
             for base, ws in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
                 changes = mirror.since(base) if base is not None else None
-                if changes is not None and mirror.delta_nbytes(changes) <= self.delta_dense * mirror.wire.nbytes:
-                    payloads.append((ws, lambda buf, c=changes, b=base: self._pack_delta(buf, version, c, b)))
+                if (base is not None and changes is not None  # (changes is None without a base)
+                        and mirror.delta_nbytes(changes) <= self.delta_dense * mirror.wire.nbytes):
+                    payloads.append((ws, functools.partial(self._pack_delta, mirror, version=version, changes=changes,
+                                                           base=base)))
                     report.delta_workers += ws
                 else:
-                    payloads.append((ws, lambda buf: self._pack_mirror(buf, version)))
+                    payloads.append((ws, lambda buf: self._pack_mirror(mirror, buf, version)))
             if not payloads:
                 self._latest = None
             if self.costs is not None and keys is None and version > 0 and joined:
@@ -394,13 +406,14 @@ class Sender:
                     Layout.view(buffer, e).copy_(tensors[e.key])
         return self._header(version, buffer, wire.nbytes), wire.nbytes
 
-    def _pack_mirror(self, buffer: torch.Tensor, version: int) -> tuple[Header, int]:
-        self.mirror.pack(buffer)
-        used = self.mirror.wire.nbytes
+    def _pack_mirror(self, mirror: Mirror, buffer: torch.Tensor, version: int) -> tuple[Header, int]:
+        mirror.pack(buffer)
+        used = mirror.wire.nbytes
         return self._header(version, buffer, used), used
 
-    def _pack_delta(self, buffer: torch.Tensor, version: int, changes: dict, base: int) -> tuple[Header, int]:
-        encoded = self.mirror.encode(changes, buffer)
+    def _pack_delta(self, mirror: Mirror, buffer: torch.Tensor, version: int, changes: dict,
+                    base: int) -> tuple[Header, int]:
+        encoded = mirror.encode(changes, buffer)
         return self._header(version, buffer, encoded.nbytes, encoded.table, base), encoded.nbytes
 
     def _publish_to(self, buffer: Buffer, used: int, header: Header, workers: list[int]) -> Buffer:
@@ -426,14 +439,15 @@ class Sender:
     def _deliver_full(self, workers: list[int]) -> None:
         """Publish the newest version in full (from the mirror) to ``workers``: a joiner, or a worker
         that refused a delta. A worker that cannot get it now gets a full payload at the next send."""
-        if not workers or self.mirror is None or self.mirror.version != self.version or self.version < 0:
+        mirror = self.mirror
+        if not workers or mirror is None or mirror.version != self.version or self.version < 0:
             return
         try:
             buffer = self._acquire(Deadline(_FULL_ACQUIRE_S))
         except WorkerTimeoutError as exc:
             log.warning("workers %s get version %d at the next send: %s", workers, self.version, exc)
             return
-        header, used = self._pack_mirror(buffer.tensor, self.version)
+        header, used = self._pack_mirror(mirror, buffer.tensor, self.version)
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self._latest = (self._publish_to(buffer, used, header, workers), header)
@@ -619,7 +633,7 @@ class Sender:
                                          f"updated: {updated}", missing)
             detail = f"; workers {gone} disconnected{why}" if gone else ""
             for w in missing:  # a worker whose last word was a refusal: say it (it may be why)
-                if (before := self._refusals.get(w)) is not None:
+                if (before := self._refusals.get(w)) is not None and before.error is not None:  # (a refusal has one)
                     detail += f"; worker {w} last rejected version {before.version}: {before.error[:300]}"
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
@@ -657,7 +671,7 @@ def _with_aliases(keys: list[str], tensors: Mapping[str, torch.Tensor]) -> list[
     spans: dict[tuple[torch.device, int], list[tuple[str, int, int]]] = {}
     for key, t in tensors.items():
         if t.numel():
-            start = t.storage_offset() * t.element_size()
+            start = cast(int, t.storage_offset()) * t.element_size()  # (a SymInt only while traced)
             reach = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride())) + 1
             spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
                 (key, start, start + reach * t.element_size()))
@@ -673,7 +687,7 @@ def _with_aliases(keys: list[str], tensors: Mapping[str, torch.Tensor]) -> list[
     return sorted(chosen)
 
 
-def _index(value: object) -> int | None:
+def _index(value: Any) -> int | None:
     """``value`` as an index (an int, or any integer that says it is one: numpy's, a 0-d torch
     tensor), or None; a bool is not one."""
     if isinstance(value, bool):
