@@ -207,9 +207,11 @@ class Receiver:
             return None
         delivery, header = best
         if header.base is not None and header.session != self.session:
-            return self._refuse_delta(delivery, header, "holds no version of this sender's")
+            self._refuse_delta(delivery, header, "holds no version of this sender's")
+            return None
         if header.base is not None and not header.base <= self.version:
-            return self._refuse_delta(delivery, header, f"holds version {self.version}")
+            self._refuse_delta(delivery, header, f"holds version {self.version}")
+            return None
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
         with _SafePoint(self, delivery, header), _interrupts_held():  # its model is not in use in here
             # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
@@ -217,7 +219,8 @@ class Receiver:
             try:
                 adopted = self._apply(delivery, header, retired)
             except _WroteSince as exc:
-                return self._refuse_delta(delivery, header, str(exc) or f"wrote its model since version {self.version}")
+                self._refuse_delta(delivery, header, str(exc) or f"wrote its model since version {self.version}")
+                return None
             except (SchemaMismatchError, TransportError) as exc:
                 _release(delivery)
                 self._reject(header.version, exc)
@@ -312,7 +315,6 @@ class Receiver:
         log.info("%s", why)
         held = self.version if header.session == self.session else -1  # (another sender's numbers mean nothing here)
         self._ack(held, why, "BaseMismatch")
-        return None
 
     def _reject(self, version: int, exc: WsyncError, error_type: str | None = None) -> None:
         log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
@@ -399,7 +401,7 @@ class Receiver:
             if header.base is not None or header.nbytes != wire.nbytes:
                 raise TransportError(f"{where}: a full payload in {header.wire} has {header.nbytes} bytes, "
                                      f"expected {wire.nbytes}")
-            ops, indices = None, None
+            ops, indices = None, []
         elif header.base is None:
             raise TransportError(f"{where}: a partial payload names no base version")
         else:
