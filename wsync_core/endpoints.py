@@ -190,7 +190,9 @@ class SenderBase(EndpointBase, SenderEndpoint):
                 self.buffers.append(Buffer(tensor, index))
                 self._holders.append(Counter())
             if self.wait_until(lambda: free() is not None, deadline):
-                return free()
+                buffer = free()
+                assert buffer is not None  # (wait_until saw one, with self.cond held since)
+                return buffer
             self.check_open()
             if self._woken:
                 raise TransportError(f"{self.what}: woken while waiting for a free buffer: the scheme is shutting down")
@@ -272,6 +274,7 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
         ``number`` (>= 0, increasing per receiver while it is open) is what ``newest_published``
         names; -1: not numbered. A numbered delivery below the highest put so far (it arrived late,
         e.g. from a pool of I/O threads) never replaces a newer one: it is released at once."""
+        older: Delivery | None
         with self.cond:
             if 0 <= number < self._highest:
                 older = delivery
