@@ -111,14 +111,17 @@ class _Sender(SenderEndpoint):
         return Buffer(torch.empty(self.nbytes, dtype=torch.uint8))  # receivers keep what they got: always new
 
     def publish(self, buffer: Buffer, header: bytes, workers: Sequence[int]) -> None:
+        channel = self.channel
+        assert channel is not None  # (the core publishes between open and close)
         payload = buffer.payload
-        with self.channel.cond:
+        with channel.cond:
             for w in workers:
-                self.channel.mailbox[w] = (header, payload)
-            self.channel.cond.notify_all()
+                channel.mailbox[w] = (header, payload)
+            channel.cond.notify_all()
 
     def poll(self, deadline: Deadline) -> list[Event]:
         channel = self.channel
+        assert channel is not None  # (the core polls between open and close)
         with channel.cond:
             channel.cond.wait_for(lambda: channel.events or self.woken, deadline.seconds())
             events = list(channel.events)
@@ -162,6 +165,7 @@ class _Receiver(ReceiverEndpoint):
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         channel = self.channel
+        assert channel is not None  # (the core receives between open and close)
         with channel.cond:
             channel.cond.wait_for(lambda: self.worker in channel.mailbox or self.woken
                                   or self._refusal(channel) is not None, deadline.seconds())
@@ -181,9 +185,11 @@ class _Receiver(ReceiverEndpoint):
         _wake(self)
 
     def ack(self, data: bytes) -> None:
-        with self.channel.cond:
-            self.channel.events.append(Acked(self.worker, data))
-            self.channel.cond.notify_all()
+        channel = self.channel
+        assert channel is not None  # (the core acks between open and close)
+        with channel.cond:
+            channel.events.append(Acked(self.worker, data))
+            channel.cond.notify_all()
 
     def close(self) -> None:
         channel, self.channel = self.channel, None
