@@ -37,6 +37,7 @@ do the same (override ``write``/``read_into`` for other calls). The bases own:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -193,11 +194,13 @@ class _Reader:
                 self.view, self.pos = memoryview(bytearray(body)), 0
                 return n, None
         if self.stage == 1:
-            self.frame.body = bytes(self.view) if self.body_len else b""
+            f = self.frame
+            assert f is not None  # (stage 0 made it)
+            f.body = bytes(self.view) if self.body_len else b""
             self.stage = 2
             if self.need_payload:
                 target = self.sink(self.need_payload)
-                self.frame.payload = target
+                f.payload = target
                 if target is None:
                     self.skip = self.need_payload
                     self.view, self.pos = memoryview(bytearray(min(self.skip, 1 << 20))), 0
@@ -209,6 +212,7 @@ class _Reader:
 
     def _finish(self) -> Frame:
         done = self.frame
+        assert done is not None  # (called once a frame's prefix was read)
         self._start()
         return done
 
@@ -222,7 +226,8 @@ class _Conn:
     """One connection: its stream, reader, output queue and what it is (``stage``, ``worker``)."""
 
     def __init__(self, stream: Stream, reader: _Reader, stage: str) -> None:
-        self.stream, self.reader, self.stage = stream, reader, stage
+        self.stream: Stream | None = stream  # None once the sender dropped it (``StreamSender._close``)
+        self.reader, self.stage = reader, stage
         self.worker: int | None = None
         self.fits = False
         self.nonce = secrets.token_bytes(NONCE_BYTES)
@@ -250,6 +255,12 @@ class _Loop:
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+
+    def _live_selector(self) -> selectors.BaseSelector:
+        """The selector, from ``_setup`` to ``_teardown``: while the I/O thread runs."""
+        selector = self.selector
+        assert selector is not None
+        return selector
 
     def _begin(self, name: str) -> None:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -304,9 +315,13 @@ class _Loop:
 
     def _watch(self, conn: _Conn) -> None:
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        stream = conn.stream
+        if stream is None:  # dropped: not watched (the selector would refuse it with ValueError)
+            return
         try:
-            if self.selector.get_key(conn.stream).events != want:
-                self.selector.modify(conn.stream, want, conn)
+            selector = self._live_selector()
+            if selector.get_key(stream).events != want:
+                selector.modify(stream, want, conn)
         except (KeyError, ValueError):
             pass
 
@@ -319,7 +334,8 @@ class _Loop:
         budget, yielded = _READ_BUDGET, False
         try:
             while budget > 0 and conn.stream is not None:
-                n, got = conn.reader.read(lambda view: self.read_into(conn.stream, view))
+                stream = conn.stream
+                n, got = conn.reader.read(lambda view: self.read_into(stream, view))
                 budget -= n
                 conn.seen = time.monotonic()
                 if got is not None:
@@ -335,9 +351,11 @@ class _Loop:
         """Write what the stream takes now, up to a budget (raises OSError for a broken one); with
         ``watch`` (only in the I/O thread, which owns the selector) watch for room for the rest."""
         budget = _WRITE_BUDGET
+        stream = conn.stream
+        assert stream is not None  # (never called for a connection dropped)
         try:
             while conn.out and budget > 0:
-                n = self.write(conn.stream, conn.out[0])
+                n = self.write(stream, conn.out[0])
                 budget -= n
                 conn.said = time.monotonic()
                 if n < len(conn.out[0]):
@@ -405,17 +423,17 @@ class StreamSender(_Loop, SenderBase):
     # -- lifecycle (SenderBase) -----------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
         self.failure = None
-        self.listener = self.listen()
-        _nonblocking(self.listener)
+        listener = self.listener = self.listen()
+        _nonblocking(listener)
         self.conns, self.strangers = {}, []
         self._setup()
-        self.selector.register(self.listener, selectors.EVENT_READ, None)
+        self._live_selector().register(listener, selectors.EVENT_READ, None)
         self._begin(f"wsync {self.what}")
 
     def stop(self) -> None:
         self._teardown()
         for conn in [*self.conns.values(), *self.strangers]:
-            if not conn.out:  # never cut into a half-written frame
+            if not conn.out and conn.stream is not None:  # never cut into a half-written frame
                 try:
                     self.write(conn.stream, memoryview(frame(Kind.BYE)))
                 except OSError:
@@ -455,7 +473,7 @@ class StreamSender(_Loop, SenderBase):
     def _run(self) -> None:
         try:
             while self.is_open:
-                ready = self.selector.select(min(1.0, self.heartbeat / 4))
+                ready = self._live_selector().select(min(1.0, self.heartbeat / 4))
                 with self.cond:
                     if not self.is_open:
                         return
@@ -468,9 +486,9 @@ class StreamSender(_Loop, SenderBase):
                             self._serve(key.data, mask)
                     now = time.monotonic()
                     for conn in [*self.conns.values(), *self.strangers]:
-                        self._guard(conn, lambda c=conn: self._idle(c, now))
+                        self._guard(conn, functools.partial(self._idle, conn, now))
                         if conn.stream is not None and conn.pending is not None and conn.writing is None:
-                            self._guard(conn, lambda c=conn: self._enqueue(c))
+                            self._guard(conn, functools.partial(self._enqueue, conn))
                     # what each connection has to write (e.g. what publish began), written below
                     writes = [(c, list(c.out)) for c in [*self.conns.values(), *self.strangers]
                               if c.stream is not None and c.out]
@@ -512,8 +530,10 @@ class StreamSender(_Loop, SenderBase):
             pass  # the end, or what made the write fail: the drop that follows says why
 
     def _accept(self) -> None:
+        listener = self.listener
+        assert listener is not None  # (called for the listener's key)
         try:
-            stream = self.accept(self.listener)
+            stream = self.accept(listener)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -526,7 +546,7 @@ class StreamSender(_Loop, SenderBase):
             # refusal for good): a worker among them, slow to say hello, connects again
             self._drop(self.strangers.pop(0), "too many connections that have not said hello")
         self.strangers.append(conn)
-        self.selector.register(stream, selectors.EVENT_READ, conn)
+        self._live_selector().register(stream, selectors.EVENT_READ, conn)
         if self.authkey is not None:
             conn.push(frame(Kind.CHALLENGE, conn.nonce))
             self._guard(conn, lambda: self._flush(conn))
@@ -537,11 +557,13 @@ class StreamSender(_Loop, SenderBase):
         thread writes a connection whose queue is not empty, and only it closes one; the queue
         only grows meanwhile. Then, with the lock, drop what went and watch for room for the rest."""
         sent, budget, failure = 0, _WRITE_BUDGET, None
+        stream = conn.stream
+        assert stream is not None  # (only this thread drops a connection)
         try:
             for view in views:
                 done = 0
                 while done < len(view) and budget > 0:
-                    n = self.write(conn.stream, view[done:])
+                    n = self.write(stream, view[done:])
                     done, sent, budget = done + n, sent + n, budget - n
                 if done < len(view):
                     break
@@ -580,14 +602,19 @@ class StreamSender(_Loop, SenderBase):
 
     def _frame(self, conn: _Conn, f: Frame) -> None:
         if f.kind == Kind.RESPONSE:
-            if not hmac.compare_digest(f.body[:NONCE_BYTES], _mac(self.authkey, b"receiver", conn.nonce)):
+            key = self.authkey
+            if key is None:  # (as the reader says: it takes a response only where there is a key)
+                raise Violation(f"a frame of kind {f.kind} out of turn")
+            if not hmac.compare_digest(f.body[:NONCE_BYTES], _mac(key, b"receiver", conn.nonce)):
                 self._refuse(conn, "authentication failed (wrong authkey?)")
                 return
-            conn.push(frame(Kind.PROOF, _mac(self.authkey, b"sender", f.body[NONCE_BYTES:])))
+            conn.push(frame(Kind.PROOF, _mac(key, b"sender", f.body[NONCE_BYTES:])))
             conn.stage, conn.reader.accept = "hello", frozenset({Kind.HELLO})
         elif f.kind == Kind.HELLO:
             self._hello(conn, f.a, f.b)
         elif f.kind == Kind.ACK:
+            if conn.worker is None:  # (as the reader says: it takes acks only after the hello)
+                raise Violation(f"a frame of kind {f.kind} out of turn")
             if len(self._events) >= _MAX_EVENTS:
                 raise Violation(f"{_MAX_EVENTS} events are waiting for poll(); one ack per delivery is expected")
             self.emit(Acked(conn.worker, f.body))
@@ -624,7 +651,9 @@ class StreamSender(_Loop, SenderBase):
         self._drop(conn, reason)
 
     def _enqueue(self, conn: _Conn) -> None:
-        buffer, header = conn.pending
+        pending = conn.pending
+        assert pending is not None  # (its callers check)
+        buffer, header = pending
         conn.pending, conn.writing, conn.writing_no = None, buffer, conn.pending_no
         payload = buffer.payload
         size = payload.numel() if conn.fits else 0
@@ -637,7 +666,9 @@ class StreamSender(_Loop, SenderBase):
         """Answer the probe: everything the worker was sent before this frame is all there is."""
         if sum(len(v) for v in conn.out) > _MAX_BACKLOG:
             raise Violation(f"it probes faster than it reads ({_MAX_BACKLOG} bytes unread)")
-        conn.push(frame(Kind.ANSWER, a=conn.probe[0]))
+        probe = conn.probe
+        assert probe is not None  # (its callers check)
+        conn.push(frame(Kind.ANSWER, a=probe[0]))
         conn.probe = None
 
     def _written(self, conn: _Conn) -> None:
@@ -645,6 +676,7 @@ class StreamSender(_Loop, SenderBase):
         it, and queue the pending delivery right behind (``_flush`` writes on)."""
         if conn.writing is not None:
             buffer, conn.writing = conn.writing, None
+            assert conn.worker is not None  # (only a worker's connection is given deliveries)
             self.let_go(buffer, conn.worker)
             if conn.probe is not None and conn.writing_no >= conn.probe[1]:
                 self._answer(conn)
@@ -669,10 +701,11 @@ class StreamSender(_Loop, SenderBase):
             self.emit(Left(conn.worker, reason))
         for buffer in (conn.writing, conn.pending and conn.pending[0]):
             if buffer is not None:
+                assert conn.worker is not None  # (only a worker's connection is given deliveries)
                 self.let_go(buffer, conn.worker)
         conn.writing = conn.pending = conn.probe = None
         try:
-            self.selector.unregister(conn.stream)
+            self._live_selector().unregister(conn.stream)
         except (KeyError, ValueError):
             pass
         self._close(conn)
@@ -763,8 +796,10 @@ class StreamReceiver(_Loop, ReceiverBase):
         """Whether a delivery waits, is partly read, or unread bytes are there (with ``self.cond`` held)."""
         if self._mail is not None or conn.reader.busy:
             return True
+        stream = conn.stream
+        assert stream is not None  # (a receiver's connection keeps its stream)
         try:
-            return bool(select.select([conn.stream], [], [], 0)[0])
+            return bool(select.select([stream], [], [], 0)[0])
         except (OSError, ValueError):  # closed meanwhile: the I/O thread reconnects
             return False
 
@@ -828,12 +863,12 @@ class StreamReceiver(_Loop, ReceiverBase):
                 self._live(conn)
             else:
                 conn.reader.accept = frozenset({Kind.CHALLENGE, Kind.BYE})
-            self.selector.register(stream, selectors.EVENT_READ, conn)
+            self._live_selector().register(stream, selectors.EVENT_READ, conn)
         try:
             while self.is_open:
                 with self.cond:
                     self._flush(conn)  # what the handshake, ack() or a ping queued
-                ready = self.selector.select(min(1.0, self.heartbeat / 4))
+                ready = self._live_selector().select(min(1.0, self.heartbeat / 4))
                 if not self.is_open:
                     return None
                 for key, mask in ready:
@@ -878,13 +913,15 @@ class StreamReceiver(_Loop, ReceiverBase):
         """On close: write what is queued (an ack sent just before closing is not lost), then BYE,
         so the sender reports Left at once; gives up on a sender that takes nothing for a second."""
         conn.push(frame(Kind.BYE))
+        stream = conn.stream
+        assert stream is not None  # (a receiver's connection keeps its stream)
         deadline = time.monotonic() + _GOODBYE_S
         try:
             while True:
                 self._flush(conn, watch=False)
                 if not conn.out or time.monotonic() >= deadline:
                     return
-                select.select([], [conn.stream], [], 0.05)
+                select.select([], [stream], [], 0.05)
         except OSError:  # gone already: it reports Left when it notices
             pass
 
@@ -894,15 +931,18 @@ class StreamReceiver(_Loop, ReceiverBase):
         conn.push(frame(Kind.HELLO, a=self.ctx.worker_idx, b=self.ctx.layout.nbytes))
 
     def _frame(self, conn: _Conn, f: Frame) -> str | None:
-        if f.kind == Kind.CHALLENGE and self.authkey is None:
-            return "the sender requires authentication: give this worker the sender's authkey"
         if f.kind == Kind.CHALLENGE:
+            if self.authkey is None:
+                return "the sender requires authentication: give this worker the sender's authkey"
             if conn.stage != "auth":
                 raise Violation("a second challenge")
             conn.push(frame(Kind.RESPONSE, _mac(self.authkey, b"receiver", f.body) + conn.nonce))
             conn.stage, conn.reader.accept = "proof", frozenset({Kind.PROOF, Kind.BYE})
         elif f.kind == Kind.PROOF:
-            if not hmac.compare_digest(f.body, _mac(self.authkey, b"sender", conn.nonce)):
+            key = self.authkey
+            if key is None:  # (as the reader says: it takes a proof only after answering a challenge)
+                raise Violation(f"a frame of kind {f.kind} out of turn")
+            if not hmac.compare_digest(f.body, _mac(key, b"sender", conn.nonce)):
                 return "the sender failed authentication (wrong authkey?)"
             self._live(conn)
         elif f.kind == Kind.BYE:
@@ -938,7 +978,7 @@ class StreamReceiver(_Loop, ReceiverBase):
             return self._spare.pop() if self._spare else torch.empty(size, dtype=torch.uint8)
 
     def _releaser(self, payload: torch.Tensor) -> Callable[[], None]:
-        done = []
+        done: list[bool] = []
 
         def release() -> None:
             with self.cond:
@@ -952,11 +992,13 @@ class StreamReceiver(_Loop, ReceiverBase):
         conn, self.conn = self.conn, None
         if conn is None:
             return
+        stream = conn.stream
+        assert stream is not None  # (a receiver's connection keeps its stream)
         try:
-            self.selector.unregister(conn.stream)
+            self._live_selector().unregister(stream)
         except (KeyError, ValueError):
             pass
         try:
-            conn.stream.close()
+            stream.close()
         except OSError:
             pass
