@@ -222,6 +222,53 @@ def test_shutdown_by_the_thread_holding_the_guard_ends_a_receive_waiting_for_it(
         sender.shutdown()
 
 
+def test_a_guard_that_raises_while_shutdown_waits_for_it_still_shuts_down():
+    """shutdown() from another thread while a receive() waits in the apply guard hands the rest of
+    the shutdown to that receive; if the guard then raises, the receive raises the guard's error
+    and the scheme is shut down all the same (it stayed a connected receiver, its endpoint open)."""
+    sender, model, receiver, local = connected_pair(sync=False)
+    entered, go = threading.Event(), threading.Event()
+
+    class Failing:
+        def __enter__(self):
+            entered.set()
+            go.wait(30)
+            raise RuntimeError("the guard failed")
+
+        def __exit__(self, *exc):
+            return None
+
+    receiver.set_apply_guard(Failing)
+    ended: list[BaseException] = []
+
+    def receive():
+        try:
+            receiver.receive(timeout=30)
+        except BaseException as exc:  # what ended it, for the test to check
+            ended.append(exc)
+
+    t = threading.Thread(target=receive, daemon=True)
+    try:
+        before = {k: v.clone() for k, v in local.state_dict().items()}
+        bump(model)
+        sender.send_async()
+        t.start()
+        assert entered.wait(30)
+        done = threading.Thread(target=receiver.shutdown, daemon=True)
+        done.start()
+        done.join(10)
+        assert not done.is_alive(), "shutdown() waited for the receive in the guard"
+        go.set()
+        t.join(30)
+        assert not t.is_alive() and len(ended) == 1 and str(ended[0]) == "the guard failed", ended
+        assert receiver.state == "shut down"
+        assert all(torch.equal(local.state_dict()[k], v) for k, v in before.items())
+    finally:
+        go.set()
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_receive_by_the_thread_holding_the_guard_does_not_wait_for_a_receive_waiting_for_it():
     """While a background receive() holds a version and waits for the worker's safe-point lock,
     the lock's holder calling receive() gets None at once and wait_for_version() a

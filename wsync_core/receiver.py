@@ -479,7 +479,8 @@ class _SafePoint:
     """The worker's apply guard, entered to apply a delivery. If shutdown() began meanwhile, the
     delivery is released, the guard left, the shutdown finished if it was left to this thread
     (``Receiver.hand_over``), and entering raises StateError. If the guard raises, the delivery is
-    kept for the next receive (``Receiver._kept``) and the error raised."""
+    kept for the next receive (``Receiver._kept``), or released and the shutdown finished if one
+    began, and the error raised."""
 
     __slots__ = ("_receiver", "_delivery", "_header", "_guard")
 
@@ -497,15 +498,15 @@ class _SafePoint:
                                 f"manager: give it a function that returns one, e.g. lambda: lock")
             guard.__enter__()
         except BaseException:
+            finish = self._unpark()
             if r.closing:
                 _release(self._delivery)
+                if finish is not None:  # the rest of a shutdown() left to this call: the guard's error
+                    finish()            # says why no version came, the scheme is closed all the same
             else:  # nothing applied: the next receive applies this version (or a newer one)
                 r._kept = (self._delivery, self._header)
             raise
-        finally:
-            with r._handover:
-                r._parked = False
-                finish, r._handed = r._handed, None
+        finish = self._unpark()
         if not r.closing:
             self._guard = guard
             return
@@ -517,6 +518,14 @@ class _SafePoint:
 
     def __exit__(self, *exc: Any) -> bool | None:
         return self._guard.__exit__(*exc)
+
+    def _unpark(self) -> Callable[[], None] | None:
+        """No longer waiting for the guard: the rest of a shutdown() handed over meanwhile, if any."""
+        r = self._receiver
+        with r._handover:
+            r._parked = False
+            finish, r._handed = r._handed, None
+        return finish
 
 
 class _WroteSince(Exception):
