@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -759,6 +760,36 @@ def test_a_lazy_module_not_yet_initialized_is_refused_naming_its_parameters() ->
     finally:
         receiver.shutdown()
         sender.shutdown()
+
+
+class _Heads(nn.Module):
+    """A policy whose heads are in a plain list (PyTorch registers none of them), beside a plain
+    list of its own trunk, which is fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(3, 4)
+        self.heads = [nn.Linear(4, 2), nn.Linear(4, 1)]
+        self.layers = [self.trunk]
+
+
+def test_weights_no_version_would_carry_are_warned_of_naming_them() -> None:
+    """A module's layers kept in a plain list are in no state_dict: no version carries them and the
+    workers keep their own random values. Both sides warn, naming the attribute, at the user's
+    call; a model with no tensors at all is warned of too. A plain list of the model's own layers
+    is no warning, and neither is a model that is fine."""
+    for init in (lambda s, m: s.init_on_sender(model=m, num_workers=1),
+                 lambda s, m: s.init_on_receiver(model=m, worker_idx=0)):
+        with pytest.warns(UserWarning, match=r"plain containers.*'heads'; .*nn\.ModuleList") as caught:
+            init(WeightSyncScheme("inproc"), _Heads())
+        assert [w.filename for w in caught] == [__file__] and "'layers'" not in str(caught[0].message)
+        with pytest.warns(UserWarning, match=r"the model has no tensors: every version will carry nothing"):
+            init(WeightSyncScheme("inproc"), nn.Sequential(nn.ReLU()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model = _Heads()
+            model.heads = nn.ModuleList(model.heads)
+            init(WeightSyncScheme("inproc"), model)
 
 
 def test_a_compiled_model_syncs_under_the_keys_of_the_module_it_wraps() -> None:

@@ -26,7 +26,7 @@ from .lease import LeaseBook
 from .protocol import Ack, Header, checksum
 from .transport import Delivery, ReceiverContext, ReceiverEndpoint, Transport, number
 from .weights import (EXTRA_STATE, Strategy, Weights, check_holds_writes, device_of, flatten, materialize, meta_keys,
-                      restore_extra_state, stranded_meta, unwrap)
+                      restore_extra_state, stranded_meta, unwrap, warn_unsent)
 
 __all__ = ["Receiver"]
 
@@ -50,6 +50,7 @@ class Receiver:
         model = unwrap(model)
         check_holds_writes(model)
         tensors = flatten(model, strategy)
+        warn_unsent(model, tensors, "init_on_receiver()")
         self.layout = Layout.of(tensors)
         #: whether some module has extra state (handed back through ``set_extra_state`` after each version)
         self._extra = any(EXTRA_STATE in key for key in tensors)

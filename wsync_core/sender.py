@@ -29,7 +29,7 @@ from .layout import ALIGN, Layout, clip_keys
 from .protocol import Ack, Header, checksum
 from .report import SendReport
 from .transport import Acked, Buffer, Event, Joined, Left, SenderContext, SenderEndpoint, Transport, number
-from .weights import Strategy, Weights, device_of, flatten, meta_keys, unwrap
+from .weights import Strategy, Weights, device_of, flatten, meta_keys, unwrap, warn_unsent
 
 __all__ = ["Sender", "SendHandle"]
 
@@ -96,6 +96,7 @@ class Sender:
         num_workers = number("num_workers", num_workers, 1, integer=True)
         tensors = flatten(source, strategy)
         _refuse_meta(tensors, "init_on_sender()")
+        warn_unsent(unwrap(source), tensors, "init_on_sender()")
         self.layout = Layout.of(tensors)
         self.endpoint: SenderEndpoint = transport.sender(SenderContext(num_workers, self.layout, model_id,
                                                                        device_of(tensors)))

@@ -12,6 +12,7 @@ A TensorDict or a state_dict given directly is taken as it is, whatever the stra
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # not imported at run time: importing tensordict costs a work
 
 __all__ = ["Strategy", "Weights", "STRATEGIES", "is_tensordict", "flatten", "check_strategy", "meta_keys",
            "stranded_meta", "materialize", "check_holds_writes", "unwrap",
-           "restore_extra_state", "EXTRA_STATE", "device_of"]
+           "restore_extra_state", "EXTRA_STATE", "device_of", "warn_unsent"]
 
 #: the key suffix of a module's extra state (``get_extra_state()``), as in its state_dict
 EXTRA_STATE = "_extra_state"
@@ -240,6 +241,41 @@ def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
     for t in tensors.values():
         return t.device
     return torch.device("cpu")
+
+
+def warn_unsent(weights: Any, tensors: Mapping[str, torch.Tensor], call: str) -> None:
+    """Warn (UserWarning, pointing at the user's ``call``) where ``weights`` keeps weights that no
+    version carries: a module's submodules or parameters held in a plain list, tuple or dict
+    (PyTorch registers neither, so trainer and workers keep their own values of them), or no
+    tensors at all (every version then carries nothing)."""
+    plain = _unregistered(weights) if isinstance(weights, nn.Module) else []
+    if plain:
+        warnings.warn(f"{call}: the model keeps modules or parameters in plain containers, which PyTorch does not "
+                      f"register: {clip_keys(plain)}; their weights are in no state_dict and no version carries "
+                      f"them (the workers keep their own values). Use nn.ModuleList, nn.ModuleDict or "
+                      f"nn.ParameterList", UserWarning, stacklevel=4)
+    elif not tensors:
+        warnings.warn(f"{call}: the model has no tensors: every version will carry nothing", UserWarning, stacklevel=4)
+
+
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
+
+
+def _unregistered(module: nn.Module) -> list[str]:
+    """Dotted names of the attributes of ``module`` and its submodules that are plain lists,
+    tuples or dicts holding modules or parameters the module tree does not hold (a list of its
+    own layers, kept for convenience, is fine)."""
+    modules = dict(module.named_modules(remove_duplicate=True))
+    held = {id(m) for m in modules.values()} | {id(p) for p in module.parameters()}
+    found = []
+    for prefix, m in modules.items():
+        for attr, value in vars(m).items():
+            if attr in _MODULE_ATTRIBUTES or not isinstance(value, (list, tuple, dict)):
+                continue
+            items = value.values() if isinstance(value, dict) else value
+            if any(isinstance(v, (nn.Module, nn.Parameter)) and id(v) not in held for v in items):
+                found.append(f"{prefix}.{attr}" if prefix else attr)
+    return found
 
 
 def meta_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
