@@ -81,6 +81,30 @@ def test_wrongly_typed_fields_raise_transport_error(obj):
             assert isinstance(decoded.version, int) and decoded.version >= 0 and isinstance(decoded.digest, str)
 
 
+def test_a_message_of_another_protocol_says_which_protocol_it_is_of():
+    """A peer of another wsync release: the error names both protocols, not only the one expected."""
+    import json
+
+    for decode in (Header.decode, Ack.decode):
+        with pytest.raises(TransportError, match=r"is of wsync protocol 2, this side speaks protocol 1"):
+            decode(json.dumps({"wsync": 2, "v": 1, "w": 0, "m": "policy", "d": "ab", "n": 4}).encode())
+        with pytest.raises(TransportError, match=r"is not a wsync message \(expected protocol 1\)"):
+            decode(b'{"v": 1}')
+
+
+def test_a_sealed_header_without_payload_checksums_is_refused_where_this_side_checks_payloads():
+    """A side that checks every payload (checksum=True) does not apply one whose header carries no
+    checksums of it: sealed or not, a header without 'c' would leave the payload unchecked."""
+    from wsync_core.protocol import seal
+
+    for unchecked in (Header(1, "policy", "ab", 10).encode(True),
+                      seal(b'{"wsync":1,"v":1,"m":"policy","d":"ab","n":10}')):
+        for decode in (Header.decode, Header.decode_checked):
+            with pytest.raises(TransportError, match=r"no checksums of its payload \('c'\).*checksum=True"):
+                decode(unchecked, True)
+        assert Header.decode(Header(1, "policy", "ab", 10).encode()).checksum is None  # (where no side checks)
+
+
 def test_oversized_ack_is_refused_before_parsing():
     with pytest.raises(TransportError, match="exceeds"):
         Ack.decode(b"{" + b" " * (1 << 20) + b"}")

@@ -18,7 +18,7 @@ import xxhash
 from .errors import TransportError
 
 __all__ = ["Header", "Ack", "MAX_HEADER_BYTES", "MAX_ACK_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_DIGITS",
-           "CHECKSUM_CHUNK", "PROTOCOL", "checksum", "decode_json"]
+           "CHECKSUM_CHUNK", "PROTOCOL", "checksum", "check_protocol", "decode_json"]
 
 PROTOCOL = 1
 #: the largest header accepted (it may carry a full layout: ~100 bytes per tensor)
@@ -133,9 +133,17 @@ def decode_json(data: Any, what: str, max_bytes: int) -> Any:
 
 
 def _decode(data: bytes, limit: int, what: str) -> dict[str, Any]:
-    obj = decode_json(data, what, limit)
-    if not isinstance(obj, dict) or obj.get("wsync") != PROTOCOL:
-        raise TransportError(f"{what} is not a wsync protocol {PROTOCOL} message")
+    return check_protocol(decode_json(data, what, limit), what)
+
+
+def check_protocol(obj: Any, what: str) -> dict[str, Any]:
+    """``obj`` (a decoded JSON message, called ``what`` in errors) if it is a wsync message of this
+    ``PROTOCOL``; raises TransportError saying which protocol it is of otherwise."""
+    if not isinstance(obj, dict) or "wsync" not in obj:
+        raise TransportError(f"{what} is not a wsync message (expected protocol {PROTOCOL})")
+    if obj["wsync"] != PROTOCOL:
+        raise TransportError(f"{what} is of wsync protocol {obj['wsync']!r:.20}, this side speaks protocol "
+                             f"{PROTOCOL}: the two sides run wsync versions that cannot talk to each other")
     return obj
 
 
@@ -289,7 +297,7 @@ class Header:
         """Parse header bytes, which must be ``sealed`` (``seal``) where this side checksums what
         it receives; raises TransportError naming what is malformed or damaged."""
         fast = _fast_header(data, sealed)
-        return fast if fast is not None else cls.decode_checked(data, sealed)
+        return fast if fast is not None and (fast.checksum is not None or not sealed) else cls.decode_checked(data, sealed)
 
     @classmethod
     def decode_checked(cls, data: bytes, sealed: bool = False) -> Header:
@@ -305,6 +313,9 @@ class Header:
         if sums is not None and not (isinstance(sums, list) and len(sums) == chunks
                                      and all(_is_int(c) and 0 <= c < 1 << 64 for c in sums)):
             raise TransportError(f"header field 'c' is malformed: {sums!r:.60} (expected {chunks} XXH3-64 sums)")
+        if sums is None and sealed:
+            raise TransportError("header carries no checksums of its payload ('c'), and this side checks every "
+                                 "payload (checksum=True): the two sides were given different checksum options")
         layout = obj.get("l")
         if layout is not None and not _layout_shaped(layout):
             raise TransportError(f"header field 'l' is malformed: {layout!r:.60} (expected a list of "

@@ -175,6 +175,38 @@ def test_a_worker_whose_index_another_process_took_over_is_told(sender):
             new.shutdown()
 
 
+def test_a_hello_the_sender_cannot_read_is_answered_with_why(sender):
+    """A worker of another wsync release (another protocol) is refused with a reason naming the
+    protocols, as an index out of range is, instead of waiting out its connect()."""
+    import json
+
+    scheme = sender(1, make_model(0), timeout=30.0)
+    outcome: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            scheme.connect(timeout=3.0)
+        except WorkerTimeoutError as exc:  # no worker of this protocol came: what the test expects
+            outcome.append(exc)
+
+    connecting = threading.Thread(target=connect, daemon=True)
+    connecting.start()
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(scheme.transport.options["address"])
+        peer.send(b"H" + json.dumps({"wsync": 2, "w": 0, "m": "policy", "d": "ab", "n": 4}).encode())
+        assert peer.poll(30_000), "the sender never answered a hello of another protocol"
+        answer = peer.recv()
+        assert answer.startswith(b"X") and b"hello is of wsync protocol 2, this side speaks protocol 1" in answer
+    finally:
+        peer.close()
+        ctx.term()
+        connecting.join(30)
+    assert len(outcome) == 1
+
+
 def test_schema_mismatch_is_reported_without_sending_the_payload(sender):
     scheme = sender(1, make_model(0, width=8), timeout=20.0)
     wrong = make_model(1, width=5)

@@ -68,6 +68,11 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
+def _is_hello(frames: Sequence[zmq.Frame], extra: int) -> bool:
+    """Whether a message that did not decode was meant as a hello (one frame, kind HELLO)."""
+    return not extra and len(frames) == 1 and bytes(memoryview(frames[0]).cast("B")[:1]) == HELLO
+
+
 class ZmqSender(SenderBase):
     """The base carries the lifecycle, the events and the buffer pool; this class the sockets,
     read and written in the caller's thread (``publish`` and ``poll``; the core serializes them)."""
@@ -236,6 +241,8 @@ class ZmqSender(SenderBase):
                 msg = decode_peer(frames, extra)
             except TransportError as exc:
                 log.warning("zmq sender ignored a message from peer %s: %s", rid.hex(), exc)
+                if rid not in self._workers and _is_hello(frames, extra):  # a receiver waiting in connect(): tell it
+                    self._tell(rid, encode_refusal(f"the sender cannot read its hello: {exc}"), f"peer {rid.hex()}")
                 continue
             self._handle(rid, fd, msg)
 

@@ -32,7 +32,7 @@ from typing import Any, Union
 import torch
 from wsync_core import TransportError
 from wsync_core.layout import Layout
-from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, decode_json
+from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, check_protocol, decode_json
 
 __all__ = [
     "DATA", "CURRENT", "NEWER", "REPLACED", "REFUSED", "HELLO", "ACK", "BYE", "WANT", "PROBE", "MAX_REFUSAL_BYTES",
@@ -90,9 +90,7 @@ class Hello:
     @classmethod
     def decode(cls, data: Buffer) -> Hello:
         """Parse hello bytes; raises TransportError naming what is malformed."""
-        obj = decode_json(data, "hello", MAX_HELLO_BYTES)
-        if not isinstance(obj, dict) or obj.get("wsync") != PROTOCOL:
-            raise TransportError(f"hello is not a wsync protocol {PROTOCOL} message")
+        obj = check_protocol(decode_json(data, "hello", MAX_HELLO_BYTES), "hello")
         fields = {"w": int, "m": str, "d": str, "n": int}
         for key, kind in fields.items():
             value = obj.get(key)
