@@ -27,3 +27,24 @@ def test_a_number_option_of_another_type_or_out_of_range_is_refused_by_name(opti
     the option and its range (before, "60" and True passed, and "abc" raised float()'s own error)."""
     with pytest.raises(ValueError, match=f"distributed option {option} must be"):
         DistributedTransport(**{"port": 29500, option: value})
+
+
+def test_a_second_scheme_on_a_port_taken_is_told_to_take_its_own():
+    """Each sender hosts a store of its own: a second scheme of one job (a value network beside the
+    policy) given the same port fails at connect() saying what to do (its README used to advise a
+    second prefix, which shares nothing)."""
+    import torch
+    from wsync_core import TransportError, WeightSyncScheme, WorkerTimeoutError
+
+    first = WeightSyncScheme("distributed", timeout=5.0, prefix="policy")
+    second = WeightSyncScheme("distributed", timeout=5.0, prefix="value", port=first.transport.options["port"])
+    first.init_on_sender(model=torch.nn.Linear(2, 2), num_workers=1)
+    second.init_on_sender(model=torch.nn.Linear(3, 3), num_workers=1)
+    try:
+        with pytest.raises(WorkerTimeoutError):
+            first.connect(timeout=0.5)  # (no worker comes: its store stays up until shutdown)
+        with pytest.raises(TransportError, match=r"cannot host the store .* give each scheme its own port="):
+            second.connect(timeout=0.5)
+    finally:
+        second.shutdown()
+        first.shutdown()

@@ -203,7 +203,9 @@ def listen(cfg: Config) -> tuple[dist.Store, socket.socket]:
                               wait_for_workers=False, master_listen_fd=sock.fileno())
     except (OSError, RuntimeError) as exc:
         sock.close()
-        raise TransportError(f"distributed: cannot host the store at {cfg.host}:{cfg.port}: {brief(exc)}") from exc
+        raise TransportError(f"distributed: cannot host the store at {cfg.host}:{cfg.port}: {brief(exc)} (each sender "
+                             f"hosts a store of its own: another scheme of this job, or another job, listens there? "
+                             f"give each scheme its own port=)") from exc
     return dist.PrefixStore(cfg.prefix, store), sock
 
 
