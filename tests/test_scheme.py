@@ -1075,6 +1075,30 @@ def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(tr
         sender.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["shm", "mp", "zmq", "tcp", "unix", "distributed"])
+def test_a_worker_of_another_model_given_this_schemes_options_does_not_push_out_the_holder(transport):
+    """A value network's worker started with the policy scheme's options by mistake, under the index
+    of a connected policy worker: it is refused at connect(), saying why, and the policy worker keeps
+    its index and every version (it was pushed out for good, and each send then waited out its
+    timeout on the stray)."""
+    sender, model, receiver, local = connected_pair(transport)
+    stray = WeightSyncScheme(transport, timeout=10.0, **sender.transport.options)
+    stray.init_on_receiver(model=nn.Linear(3, 2), worker_idx=0, model_id="value")
+    try:
+        with pytest.raises(TransportError, match=r"held by a worker whose model fits this sender's, and this one's "
+                                                 r"does not|already connected"):
+            stray.connect(timeout=10.0)
+        for version in (1, 2):
+            bump(model)
+            handle = sender.send_async()
+            assert receiver.receive(timeout=30.0) == version and handle.wait(timeout=30.0) == version
+            assert same(model, local)
+    finally:
+        stray.shutdown()
+        receiver.shutdown()
+        sender.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["shm", "mp"])
 def test_a_clean_sender_shutdown_is_no_error_for_a_polling_worker(transport):
     """A worker polls receive() while its trainer sends a few versions and shuts down cleanly: its

@@ -43,9 +43,11 @@ class Receiver:
     """Worker ``worker_idx``'s receiver into ``model`` (updated in place); used under ``lock``."""
 
     def __init__(self, transport: Transport, model: Weights, *, worker_idx: int, model_id: str, strategy: Strategy,
-                 lock: threading.RLock) -> None:
-        """Check ``model`` and build (not open) the endpoint. Raises ValueError for a bad
-        ``worker_idx``, TypeError for a model of another type."""
+                 lock: threading.RLock, origin: str | None = None) -> None:
+        """Check ``model`` and build (not open) the endpoint. ``origin``: the session of the sender
+        whose scheme this one was pickled from, whose versions alone it takes before its first one
+        (None: any sender's). Raises ValueError for a bad ``worker_idx``, TypeError for a model of
+        another type."""
         worker_idx = number("worker_idx", worker_idx, 0, integer=True)
         model = unwrap(model)
         check_holds_writes(model)
@@ -64,8 +66,9 @@ class Receiver:
                              f"with strategy {strategy!r} (not in its keys: a buffer outside the state_dict), so no "
                              f"version would give them values; give them real ones first (e.g. to_empty(), then "
                              f"compute them), or use strategy='tensordict', which sends every buffer")
-        self.endpoint: ReceiverEndpoint = transport.receiver(ReceiverContext(worker_idx, self.layout, model_id,
-                                                                             device))
+        self._ctx = ReceiverContext(worker_idx, self.layout, model_id, device)
+        self._transport = transport
+        self.endpoint: ReceiverEndpoint = transport.receiver(self._ctx)
         self.source = model
         self.strategy = strategy
         self.worker_idx = worker_idx
@@ -77,6 +80,7 @@ class Receiver:
         self.version = -1
         #: the sender that numbered ``version`` (``Header.session``): another one's numbers start over
         self.session: str | None = None
+        self.origin = origin
         self.opened = False
         self.closing = False
         self.apply_listeners: list[Callable[[int], None]] = []
@@ -121,6 +125,12 @@ class Receiver:
             self.endpoint.close()
             raise
         self.opened = True
+
+    def _leave(self) -> None:
+        """Close the endpoint (the sender sees this worker go) and make a new, unopened one, which
+        the next connect() opens."""
+        self.endpoint.close()
+        self.endpoint, self.opened = self._transport.receiver(self._ctx), False
 
     def connect(self, deadline: Deadline) -> None:
         """Wait for the sender's current version and apply it. Raises WorkerTimeoutError if none
@@ -207,6 +217,16 @@ class Receiver:
                 self._ack(self.version)
             return None
         delivery, header = best
+        if self.session is None and self.origin is not None and header.session not in (None, self.origin):
+            _release(delivery)
+            foreign = TransportError(
+                f"worker {self.worker_idx}: version {header.version} comes from another sender (session "
+                f"{header.session}) than the one this scheme was pickled from (session {self.origin}): another "
+                f"job's trainer at the same address? Nothing applied, and this worker left that sender; give "
+                f"each job its own address")
+            self._reject(header.version, foreign)
+            self._leave()
+            raise foreign
         if header.base is not None and header.session != self.session:
             self._refuse_delta(delivery, header, "holds no version of this sender's")
             return None

@@ -53,6 +53,7 @@ class _Config(TypedDict):
     sync: bool
     timeout: float
     model_id: str | None
+    origin: str | None
     delta: bool | str
     delta_bases: int
     delta_dense: float | None
@@ -105,7 +106,7 @@ class WeightSyncScheme:
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
         self._config: _Config = {"strategy": check_strategy(strategy), "sync": flag("sync", sync),
-                        "timeout": float(timeout), "model_id": None,
+                        "timeout": float(timeout), "model_id": None, "origin": None,
                         "delta": delta if delta == "always" else bool(delta),
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
         self._reset()
@@ -311,6 +312,7 @@ class WeightSyncScheme:
                                 delta=self._config.get("delta", False), delta_bases=self._config.get("delta_bases", 2),
                                 wire_dtype=self._config.get("wire_dtype"), delta_dense=self._config.get("delta_dense"))
             self._config["model_id"] = model_id
+            self._config["origin"] = self._role.session  # a copy pickled from here takes versions of this sender's
             self._state = _State.SENDER
 
     def send(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,
@@ -377,7 +379,8 @@ class WeightSyncScheme:
         with self._lock:
             self._expect(_State.NEW, "init_on_receiver")
             self._role = Receiver(self._transport, model, worker_idx=worker_idx,
-                                  model_id=model_id or self.model_id, strategy=self.strategy, lock=self._lock)
+                                  model_id=model_id or self.model_id, strategy=self.strategy, lock=self._lock,
+                                  origin=self._config.get("origin"))
             self._state = _State.RECEIVER
 
     def receive(self, timeout: float = 0.0) -> int | None:

@@ -629,15 +629,16 @@ class Sender:
             gone = [w for w in missing if w in self._left]
             updated = [w for w in targets if w not in missing and w not in rejected]
             why = "".join(f"; worker {w}: {self._left[w][:300]}" for w in gone if self._left[w])
-            if gone == missing and not deadline.expired():  # no wait for them: it is not a matter of time
-                raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}{why}; "
-                                         f"updated: {updated}", missing)
-            detail = f"; workers {gone} disconnected{why}" if gone else ""
+            refused = ""
             for w in missing:  # a worker whose last word was a refusal: say it (it may be why)
                 if (before := self._refusals.get(w)) is not None and before.error is not None:  # (a refusal has one)
-                    detail += f"; worker {w} last rejected version {before.version}: {before.error[:300]}"
+                    refused += f"; worker {w} last rejected version {before.version}: {before.error[:300]}"
+            if gone == missing and not deadline.expired():  # no wait for them: it is not a matter of time
+                raise WorkerTimeoutError(f"workers {gone} disconnected before applying version {version}{why}"
+                                         f"{refused}; updated: {updated}", missing)
+            detail = f"; workers {gone} disconnected{why}" if gone else ""
             raise WorkerTimeoutError(
-                f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}; "
+                f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}{refused}; "
                 f"updated: {updated}", missing)
         self.raise_listener_error()
 

@@ -60,7 +60,8 @@ from .deadline import Deadline
 from .endpoints import ReceiverBase, SenderBase
 from .errors import TransportError
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from .transport import Acked, Buffer, Delivery, Joined, Left, ReceiverContext, SenderContext, zero_copy_for
+from .transport import (Acked, Buffer, Delivery, Joined, Left, ReceiverContext, SenderContext, claim_refusal,
+                        zero_copy_for)
 
 __all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
 
@@ -629,6 +630,11 @@ class StreamSender(_Loop, SenderBase):
         if not 0 <= worker < self.ctx.num_workers:
             self._refuse(conn, f"worker index {worker} is out of range [0, {self.ctx.num_workers})")
             return
+        layout = self.ctx.layout
+        held = self.conns.get(worker)
+        if held is not None and held.fits and nbytes != layout.nbytes:
+            self._refuse(conn, claim_refusal(worker, f"a payload of {nbytes} bytes; this sender's has {layout.nbytes}"))
+            return
         self.strangers.remove(conn)
         old = self.conns.pop(worker, None)
         if old is not None:  # a reconnection: the new connection wins (no Left: it is not in conns);
@@ -636,7 +642,7 @@ class StreamSender(_Loop, SenderBase):
             self._drop(old, f"another connection said hello as worker {worker} and took its place (a process "
                             f"started again under the same worker_idx while this one runs?); this one gets no "
                             f"more versions and keeps the one it holds", tell=True)
-        conn.stage, conn.worker, conn.fits = "worker", worker, nbytes == self.ctx.layout.nbytes
+        conn.stage, conn.worker, conn.fits = "worker", worker, nbytes == layout.nbytes
         conn.reader.accept = frozenset({Kind.ACK, Kind.BYE, Kind.PING, Kind.PROBE})
         self.conns[worker] = conn
         self.emit(Joined(worker))

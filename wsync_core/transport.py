@@ -66,6 +66,7 @@ __all__ = [
     "flag",
     "number",
     "index_refusal",
+    "claim_refusal",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -410,6 +411,16 @@ def index_refusal(worker: int, num_workers: int) -> str | None:
     if 0 <= worker < num_workers:
         return None
     return f"worker_idx {worker} is out of range: this sender has {num_workers} workers"
+
+
+def claim_refusal(worker: int, theirs: str) -> str:
+    """Why a sender refuses a receiver that says hello as ``worker`` while a live connection holds
+    that index with a model that fits, and the newcomer's does not (``theirs`` says how): to tell
+    it. Another model's worker, started with this scheme's options by mistake, would otherwise push
+    out the worker that holds the index (the newest hello wins only where it fits: a restarted
+    worker takes its index back)."""
+    return (f"worker_idx {worker} is held by a worker whose model fits this sender's, and this one's does not "
+            f"({theirs}): another model's worker, given this scheme's options? The holder keeps the index")
 
 
 def check_options(cls: type[Transport], options: Mapping[str, Any]) -> None:

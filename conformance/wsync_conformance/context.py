@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from wsync_core import Capabilities, Deadline, Layout, WeightSyncScheme, WorkerTimeoutError, WsyncError
-from wsync_core.protocol import Ack, Header
+from wsync_core.protocol import Ack, Header, checksum
 from wsync_core.transport import Acked, Joined, SenderContext
 from wsync_core.weights import flatten
 
@@ -261,9 +261,16 @@ class RawSender:
         self.joined: set[int] = set()
 
     def header(self, version: int, **changes: Any) -> bytes:
+        """A good header of ``version`` for the model as it is now (its checksums and seal too where the
+        transport checksums, as the core's), with ``changes``."""
+        sums = None
+        if self.transport.checksum:
+            payload = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+            self.layout.pack(flatten(self.model), payload)
+            sums = checksum(payload)
         h = {"version": version, "model_id": "policy", "digest": self.layout.digest, "nbytes": self.layout.nbytes,
-             "checksum": None, "layout": json.loads(self.layout.to_json()), **changes}
-        return Header(**h).encode(self.transport.checksum)  # sealed, as the core's, where it checksums
+             "checksum": sums, "layout": json.loads(self.layout.to_json()), **changes}
+        return Header(**h).encode(self.transport.checksum)
 
     def wait_joined(self, workers: list[int]) -> None:
         deadline = Deadline(self.ctx.timeout)

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from wsync_core import WeightSyncScheme
 from wsync_core.deadline import Deadline
 from wsync_core.delta import Mirror
-from wsync_core.protocol import Header
+from wsync_core.protocol import Header, checksum
 from wsync_core.weights import flatten
 
 from .. import profiles
@@ -169,6 +169,8 @@ class DeltaChecks:
             if damage is not None:
                 damage(buffer, table, header)
             header.update(fields)
+            if raw.transport.checksum:  # as the core's (damaged before it is summed: the checks of the delta must refuse it)
+                header["checksum"] = checksum(buffer[:min(header["nbytes"], buffer.numel())])
             prefix = getattr(raw.endpoint, "prefix_publish", False)  # as the core: a prefix, never empty
             lease.used = min(max(header["nbytes"], 1), buffer.numel()) if prefix else buffer.numel()
             raw.endpoint.publish(lease, Header(**header).encode(raw.transport.checksum), [0])

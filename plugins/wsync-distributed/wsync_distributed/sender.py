@@ -44,7 +44,7 @@ from wsync_core.endpoints import SenderBase
 from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import decode_json
-from wsync_core.transport import index_refusal
+from wsync_core.transport import claim_refusal, index_refusal
 
 from . import wire
 from .config import Config
@@ -430,6 +430,11 @@ class DistributedSender(SenderBase):
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransportError(f"malformed join from worker {w}: {exc}") from None
             why = index_refusal(w, self.ctx.num_workers)
+            with self.cond:
+                held = self.lanes.get(w)
+                if why is None and held is not None and not held.gone and held.nbytes == self.ctx.layout.nbytes \
+                        and nbytes != self.ctx.layout.nbytes:
+                    why = claim_refusal(w, f"a payload of {nbytes} bytes; this sender's has {self.ctx.layout.nbytes}")
             if why is not None:  # told, so that it stops waiting
                 log.warning("distributed sender refused a join: %s", why)
                 try:  # (a stray worker's inbox: failing to tell it must not stop this reader)

@@ -282,7 +282,7 @@ class MpReceiver(ReceiverEndpoint):
         self.challenged = True  # a sender answered
         nonce = secrets.token_bytes(NONCE_BYTES)
         self.sock.sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
-                          + FRAMING.encode(Kind.HELLO, arg=self.worker))
+                          + FRAMING.encode(Kind.HELLO, arg=self.worker, value=self.nbytes))
         proof = self._read_frame(Kind.PROOF, deadline)
         if not secrets.compare_digest(proof.body, mac(self.authkey, b"sender", nonce)):
             raise TransportError(f"worker {self.worker}: {self.peer} failed authentication (wrong authkey?)")

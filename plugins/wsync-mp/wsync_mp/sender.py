@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from wsync_core import forked
 from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
-from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint
+from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, claim_refusal
 
 from wsync_core.memory import Slot
 
@@ -72,6 +72,8 @@ class _Conn:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.since = time.monotonic()
         self.worker: int | None = None
+        #: whether the model this worker said hello with has the sender's size
+        self.fits = False
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.has_fd: set[int] = set()        # slots whose descriptor this peer already got
         self.held: list[int] = []            # slots notified and not yet released, oldest first
@@ -343,7 +345,7 @@ class MpSender(SenderEndpoint):
                 conn.push(FRAMING.encode(Kind.PROOF, mac(self.authkey, b"sender", frame.body[NONCE_BYTES:])))
                 conn.reader.accept, conn.reader.peer = frozenset({Kind.HELLO}), "an authenticated peer"
             elif frame.kind is Kind.HELLO:
-                self._hello(conn, frame.arg)
+                self._hello(conn, frame.arg, frame.value)
             elif frame.kind is Kind.RELEASE:
                 with self.cond:
                     for taken in (conn.held, conn.pinned):
@@ -379,13 +381,25 @@ class MpSender(SenderEndpoint):
         with self.cond:
             self._flush(conn)
 
-    def _hello(self, conn: _Conn, worker: int) -> None:
+    def _hello(self, conn: _Conn, worker: int, nbytes: int) -> None:
+        """A receiver's hello as ``worker`` with a model of ``nbytes``: it takes the index (from a
+        connection that held it: a restarted worker), unless the index is out of range, or a
+        connection whose model fits holds it and this one's does not (``claim_refusal``)."""
         self._handshaking.pop(conn.sock.fileno(), None)
+        why = None
         if not 0 <= worker < self.num_workers:
-            conn.push(FRAMING.encode(Kind.CLOSE, f"worker index {worker} is out of range [0, {self.num_workers})".encode()))
+            why = f"worker index {worker} is out of range [0, {self.num_workers})"
+        else:
+            with self.cond:
+                held = self.conns.get(worker)
+                if held is not None and held.fits and nbytes != self.nbytes:
+                    why = claim_refusal(worker, f"a payload of {nbytes} bytes; this sender's has {self.nbytes}")
+        if why is not None:
+            conn.push(FRAMING.encode(Kind.CLOSE, why.encode()))
             with self.cond:
                 self._flush(conn)
-            raise TransportError(f"a peer said it is worker {worker}, but num_workers is {self.num_workers}")
+            raise TransportError(f"a peer that said it is worker {worker} was refused: {why}")
+        conn.fits = nbytes == self.nbytes
         conn.reader.accept = frozenset({Kind.RELEASE, Kind.ACK, Kind.SEEN, Kind.PROBE})
         conn.reader.peer = f"worker {worker}"
         with self.cond:

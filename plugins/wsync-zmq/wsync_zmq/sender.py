@@ -19,7 +19,7 @@ import zmq.auth.thread
 from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
 from wsync_core import forked
 from wsync_core.forked import close_inherited
-from wsync_core.transport import index_refusal
+from wsync_core.transport import claim_refusal, index_refusal
 
 from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
@@ -256,6 +256,14 @@ class ZmqSender(SenderBase):
                 self._tell(rid, encode_refusal(why), f"peer {rid.hex()}")
                 return
             old = self._peers.get(w)
+            layout = self.ctx.layout
+            fits = hello.digest == layout.digest and hello.nbytes == layout.nbytes and hello.model_id == self.ctx.model_id
+            if old is not None and old.rid != rid and old.fits and not fits:
+                why = claim_refusal(w, f"model {hello.model_id!r}, layout {hello.digest[:12]} of {hello.nbytes} bytes; "
+                                       f"this sender's {self.ctx.model_id!r}, {layout.digest[:12]} of {layout.nbytes}")
+                log.warning("zmq sender refused a hello from peer %s: %s", rid.hex(), why)
+                self._tell(rid, encode_refusal(why), f"peer {rid.hex()}")
+                return
             if old is not None and old.rid != rid:
                 log.warning("zmq sender: worker %d announced itself from a new connection; the old one is "
                             "dropped", w)
@@ -266,8 +274,7 @@ class ZmqSender(SenderBase):
             if stale is not None and stale != w:
                 self._drop(stale, f"its connection now claims worker {w}", ended=True)  # (and lives on)
             self._forget(w)
-            layout = self.ctx.layout
-            self._peers[w] = _Peer(rid, fd, hello.digest == layout.digest and hello.nbytes == layout.nbytes)
+            self._peers[w] = _Peer(rid, fd, fits)
             self._workers[rid] = w
             self.emit(Joined(w))
             return
