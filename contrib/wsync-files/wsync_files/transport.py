@@ -19,6 +19,7 @@ from the directory is unpickled: names are parsed strictly, sizes are bounded.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import socket
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import BinaryIO, TypeVar
+from typing import TypeVar
 
 import torch
 from wsync_core import (
@@ -89,7 +90,7 @@ def _write(directory: str, name: str, data: bytes | memoryview) -> None:
         raise
 
 
-def _open(path: str) -> BinaryIO | None:
+def _open(path: str) -> io.FileIO | None:
     """``path`` opened for reading (None if it is missing). Raises TransportError if it is not a
     regular file: a FIFO would block the open (past every deadline), a directory the read."""
     try:
@@ -241,7 +242,8 @@ class _Sender(SenderEndpoint):
         if name is None:
             self.count += 1
             name = f"payload-{self.token}-{self.count}.bin"
-            _write(self.dir, name, memoryview(buffer.tensor.cpu().numpy()))
+            # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+            _write(self.dir, name, memoryview(buffer.tensor.cpu().numpy()))  # type: ignore[arg-type]
             self.files.append(name)
             self.written[slot] = name
         self.latest = slot
@@ -366,7 +368,8 @@ class _Receiver(ReceiverEndpoint):
             if size != self.nbytes:  # no memory: the core names the mismatch from the header
                 return Delivery(header, torch.empty(size, dtype=torch.uint8, device="meta"))
             buf = self.free.pop() if self.free else torch.empty(self.nbytes, dtype=torch.uint8)
-            view, got = memoryview(buf.numpy()), 0
+            # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+            view, got = memoryview(buf.numpy()), 0  # type: ignore[arg-type]
             while got < size:
                 n = f.readinto(view[got:])
                 if not n:
