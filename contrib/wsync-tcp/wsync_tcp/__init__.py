@@ -9,7 +9,7 @@ from typing import Any
 
 from wsync_core import (Capabilities, ReceiverContext, SenderContext, Transport, TransportError, free_port,
                         hookimpl)
-from wsync_core.stream import StreamReceiver, StreamSender
+from wsync_core.stream import Listener, StreamReceiver, StreamSender
 from wsync_core.transport import flag, number
 
 __all__ = ["TcpTransport", "__version__"]
@@ -40,8 +40,10 @@ class _Sender(StreamSender):
             raise TransportError(f"{self.what}: cannot listen: {exc} (is another sender using this port? "
                                  f"pass port=<a free port>)") from None
 
-    def accept(self, listener: socket.socket) -> socket.socket:
-        return _fast(listener.accept()[0])
+    def accept(self, listener: Listener) -> socket.socket:
+        sock = listener.accept()[0]
+        assert isinstance(sock, socket.socket)  # listener is the socket listen() made
+        return _fast(sock)
 
 
 class _Receiver(StreamReceiver):
