@@ -110,7 +110,7 @@ class Slot:
     def __init__(self, path: str, fd: int, mm: mmap.mmap, payload: torch.Tensor, writable: bool, size: int) -> None:
         self.path = path
         self._fd = fd
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm  # None once closed
         self._size = size  # of the file: the head and the payload
         self.payload = payload
         self._locks = 0
@@ -125,15 +125,19 @@ class Slot:
         is that GPU's memory. Raises TransportError if the file exists or /dev/shm is full."""
         if device is None or device.type != "cuda" or not nbytes:
             slot = memory.Slot.file(path, nbytes, offset=HEAD)
-            return cls(path, slot.fd, slot.map, slot.tensor, writable=True, size=HEAD + nbytes)
+            mm, tensor = slot.map, slot.tensor
+            assert mm is not None and tensor is not None  # (a new slot: only its close() drops them)
+            return cls(path, slot.fd, mm, tensor, writable=True, size=HEAD + nbytes)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
         shared = payload.untyped_storage()._share_cuda_()
         record = encode_handle(shared)
         _OPENED[(bytes(shared[1]), int(shared[3]))] = payload
         slot = memory.Slot.file(path, RECORD_BYTES, offset=HEAD)
-        _KIND.pack_into(slot.map, _GEN.size, 1, len(record))
-        slot.map[HEAD:HEAD + len(record)] = record
-        return cls(path, slot.fd, slot.map, payload, writable=True, size=HEAD + RECORD_BYTES)
+        mm = slot.map
+        assert mm is not None  # (a new slot: only its close() drops it)
+        _KIND.pack_into(mm, _GEN.size, 1, len(record))
+        mm[HEAD:HEAD + len(record)] = record
+        return cls(path, slot.fd, mm, payload, writable=True, size=HEAD + RECORD_BYTES)
 
     @classmethod
     def open(cls, path: str, *, shared_payload: bool = True) -> Slot:
@@ -168,7 +172,7 @@ class Slot:
         """Whether the payload is GPU memory (a device slot)."""
         return self.payload.is_cuda
 
-    def private_payload(self) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def private_payload(self) -> tuple[torch.Tensor, Callable[[], object] | None]:
         """A copy-on-write view of the payload (reads see the slot's bytes, writes stay in this
         process), and what faults its pages in after the ack (None if they are in): a
         ``memory.PrivateMap`` of the file, kept across deliveries, which follows the slot only while
@@ -182,11 +186,15 @@ class Slot:
     @property
     def gen(self) -> int:
         """The generation of the snapshot this slot holds (0: none yet)."""
-        return _GEN.unpack_from(self._mm, 0)[0]
+        mm = self._mm
+        assert mm is not None  # (an endpoint forgets a slot it closes: it reads only open ones)
+        return _GEN.unpack_from(mm, 0)[0]
 
     @gen.setter
     def gen(self, value: int) -> None:
-        _GEN.pack_into(self._mm, 0, value)
+        mm = self._mm
+        assert mm is not None  # (as above: the sender writes only the slots it holds open)
+        _GEN.pack_into(mm, 0, value)
 
     def try_lock(self, exclusive: bool) -> bool:
         """Take the slot's lock without waiting; False if a conflicting lock is held.

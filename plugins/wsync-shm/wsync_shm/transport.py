@@ -141,8 +141,11 @@ class _Sender(SenderEndpoint):
         path = _slot_path(self._name, self._token, index)
         with contextlib.suppress(FileNotFoundError):  # this sender's own, left by a creation Ctrl-C cut short
             os.unlink(path)
-        self._reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
-        self._reaper.stdin.flush()
+        reaper = self._reaper
+        assert reaper is not None and reaper.stdin is not None  # (open started it with stdin=PIPE; a closed
+        # sender holds no slot, so acquire's _pump raises before it adds one)
+        reaper.stdin.write(path.encode() + b"\n")  # before creating: a crash in between leaves nothing
+        reaper.stdin.flush()
         self._slots.append(Slot.create(path, self._nbytes, self._device))
         self._buffers.append(Buffer(self._slots[index].payload, index))
         return index
@@ -165,6 +168,7 @@ class _Sender(SenderEndpoint):
         self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
+            assert reaper.stdin is not None  # (stdin=PIPE)
             try:
                 reaper.stdin.write(b"\n")  # done: it ends without waiting for every copy of the pipe
                 reaper.stdin.close()
@@ -184,8 +188,9 @@ class _Sender(SenderEndpoint):
         self._conns.clear()
         if self._selector is not None:
             for key in list(self._selector.get_map().values()):
-                if key.data is not None:  # a connection (the listener and the wake-up close below)
-                    key.fileobj.close()
+                peer: _Conn | None = key.data  # (a connection is registered with its own socket)
+                if peer is not None:  # a connection (the listener and the wake-up close below)
+                    peer.sock.close()
             self._selector.close()
             self._selector = None
         if self._listener is not None:
@@ -205,6 +210,7 @@ class _Sender(SenderEndpoint):
         self._close_sockets()
         if self._reaper is not None:
             reaper, self._reaper = self._reaper, None
+            assert reaper.stdin is not None  # (stdin=PIPE)
             reaper.stdin.close()  # (empty: every write is flushed at once)
             reaper.returncode = 0  # not this process's child: never wait for it here
 
@@ -259,10 +265,10 @@ class _Sender(SenderEndpoint):
             self._latest = index
         gen = self._slots[index].gen
         message = FRAMING.encode(Kind.DELIVER, header, arg=index, value=gen)
-        conns = [conn for w in workers if (conn := self._conns.get(w)) is not None]
-        for conn in conns:
-            self._mailbox[conn.worker] = (index, gen)
-        for conn in conns:  # the sends, which wake the workers, back to back
+        conns = [(w, conn) for w in workers if (conn := self._conns.get(w)) is not None]
+        for w, conn in conns:  # (conn.worker is w)
+            self._mailbox[w] = (index, gen)
+        for _, conn in conns:  # the sends, which wake the workers, back to back
             self._send(conn, message)
 
     def poll(self, deadline: Deadline) -> list[Event]:
@@ -290,9 +296,11 @@ class _Sender(SenderEndpoint):
                 self._send(conn, b"")
 
     def _accept(self) -> None:
+        listener, selector = self._listener, self._selector
+        assert listener is not None and selector is not None  # (_pump, its caller, found the listener readable)
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except BlockingIOError:
                 return
             try:
@@ -301,7 +309,7 @@ class _Sender(SenderEndpoint):
                 sock.close()
                 continue
             sock.setblocking(False)
-            self._selector.register(sock, selectors.EVENT_READ, _Conn(sock))
+            selector.register(sock, selectors.EVENT_READ, _Conn(sock))
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -320,6 +328,8 @@ class _Sender(SenderEndpoint):
                     self._hello(conn, frame.arg)
                 else:
                     w = conn.worker
+                    if w is None:  # (as its reader says: it takes acks only after the hello that names the worker)
+                        raise TransportError(f"{conn.reader.peer} sent an ack before its hello")
                     self._taken[w] = max(self._taken.get(w, -1), frame.value)
                     self._events.append(Acked(w, frame.body))
                 if conn.sock.fileno() < 0:
@@ -373,6 +383,7 @@ class _Sender(SenderEndpoint):
             return self._lost(conn, f"connection failed: {exc}")
         if bool(conn.out) != had:
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+            assert self._selector is not None  # (closing it closed every connection's socket: this one is open)
             self._selector.modify(conn.sock, events, conn)
 
     def _read_rest(self, conn: _Conn) -> None:
@@ -393,6 +404,7 @@ class _Sender(SenderEndpoint):
     def _drop(self, conn: _Conn, reason: str) -> None:
         if conn.sock.fileno() < 0:
             return
+        assert self._selector is not None  # (as in _send: the socket is open, so the selector is)
         self._selector.unregister(conn.sock)
         conn.sock.close()
         w = conn.worker
@@ -465,6 +477,7 @@ class _Receiver(ReceiverEndpoint):
         sock = self._dial()
         if sock is None:
             return False
+        assert self._sock is not None and self._selector is not None  # (recv, its caller, found it open)
         self._sock.close()
         for slot in self._slots.values():  # the old sender's (a version the model views keeps its map)
             slot.close()
@@ -479,7 +492,8 @@ class _Receiver(ReceiverEndpoint):
         self._wakeup.set()
 
     def recv(self, deadline: Deadline) -> Delivery | None:
-        if self._sock is None:
+        selector = self._selector
+        if self._sock is None or selector is None:  # (open sets both, closing clears both)
             raise TransportError(f"worker {self._worker}: the shm receiver is closed")
         # a poll while the delivery just returned is still held, whose read emptied the socket (the
         # core looking for a newer one before it applies it) would read nothing but a system call's
@@ -505,19 +519,21 @@ class _Receiver(ReceiverEndpoint):
                     continue
                 if deadline.expired():
                     return None
-                self._selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
+                selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
                 continue
             if deadline.expired():
                 return None
             left = deadline.remaining()
-            self._selector.select(None if left == float("inf") else left)
+            selector.select(None if left == float("inf") else left)
 
     def _read(self) -> bool:
         """Take in every frame waiting on the socket; remember only the newest delivery. True if
         the socket was found empty at the end."""
+        sock = self._sock
+        assert sock is not None  # (recv, its caller, found it open)
         while self._closed_by is None:
             try:
-                data = self._sock.recv(_CHUNK)
+                data = sock.recv(_CHUNK)
             except BlockingIOError:
                 return True
             except OSError as exc:
@@ -550,12 +566,14 @@ class _Receiver(ReceiverEndpoint):
 
     def _take(self) -> Delivery | None:
         """Lock and check the newest delivery's slot; None if the sender has reused it since."""
+        assert self._newest is not None  # (recv, its caller, found one)
         index, gen, header = self._newest
         self._newest = None
         slot = self._slots.get(index)
         if slot is None:
             if index >= 4096:
                 raise TransportError(f"worker {self._worker}: the shm sender named slot {index}")
+            assert self._token is not None  # (its reader takes a delivery only after the welcome that gave it)
             slot = self._slots[index] = Slot.open(_slot_path(self._name, self._token, index),
                                                   shared_payload=not self._zero_copy)
         if not slot.try_lock(exclusive=False):
