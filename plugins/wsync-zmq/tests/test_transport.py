@@ -333,6 +333,35 @@ def test_endpoints_closed_or_never_opened_raise_transport_error():
         sender.acquire(Deadline(0.0))
 
 
+def test_a_receiver_whose_start_fails_raises_its_error_and_closes(monkeypatch):
+    """A receiver whose start fails after it made its context and socket (configuring the socket
+    fails: out of descriptors, say) raises that failure from open, and its close frees them. Its stop
+    read the monitor it never made: close raised AttributeError ('NoneType' object has no attribute
+    'get'), which hid the failure, and the context was never ended."""
+    import errno
+
+    from wsync_core.deadline import Deadline
+    from wsync_core.layout import Layout
+    from wsync_core.transport import ReceiverContext
+    from wsync_core.weights import flatten
+    from wsync_zmq import receiver as zmq_receiver
+
+    made: list[zmq.Socket] = []
+
+    def fail(sock, *args, **kwargs):
+        made.append(sock)
+        raise zmq.ZMQError(errno.EMFILE)
+
+    monkeypatch.setattr(zmq_receiver, "configure", fail)
+    layout = Layout.of(flatten(make_model(0)))
+    receiver = ZmqTransport().receiver(ReceiverContext(0, layout, "policy", torch.device("cpu")))
+    with pytest.raises(zmq.ZMQError) as caught:
+        receiver.open(Deadline(10))
+    assert caught.value.errno == errno.EMFILE
+    assert len(made) == 1 and made[0].closed and made[0].context.closed
+    receiver.close()  # idempotent
+
+
 def test_a_version_that_takes_longer_than_the_heartbeat_to_cross_arrives(sender, monkeypatch):
     """A payload whose transfer lasts longer than ``heartbeat`` (a large model on a slow link)
     reaches the worker: the link is alive while its bytes flow. It never did: ZMQ's heartbeats

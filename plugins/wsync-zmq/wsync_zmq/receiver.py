@@ -232,16 +232,17 @@ class ZmqReceiver(ReceiverBase):
             self._wakeup.close()
         if context is None:
             return
-        try:
-            self._read_monitor_quietly(monitor)
-            if self._connected:
-                sock.send(BYE, zmq.NOBLOCK)
-                sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
-        except zmq.ZMQError as exc:
-            log.debug("worker %d could not say goodbye: %s", self._worker, exc)
-        sock.disable_monitor()
-        if not sock.closed and self._connected:
-            sock.close(linger=_BYE_LINGER_MS)
+        if sock is not None and monitor is not None:  # (a start that failed before its monitor said no hello)
+            try:
+                self._read_monitor_quietly(monitor)
+                if self._connected:
+                    sock.send(BYE, zmq.NOBLOCK)
+                    sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+            except zmq.ZMQError as exc:
+                log.debug("worker %d could not say goodbye: %s", self._worker, exc)
+            sock.disable_monitor()
+            if not sock.closed and self._connected:
+                sock.close(linger=_BYE_LINGER_MS)
         close_all(context, monitor, sock)
 
     def _read_monitor_quietly(self, monitor: zmq.Socket) -> None:
