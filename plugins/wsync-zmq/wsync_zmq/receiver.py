@@ -37,6 +37,12 @@ _BYE_LINGER_MS = 500
 _CUT_HANDSHAKES = 3
 
 
+def _first_byte(frame: zmq.Frame) -> int:
+    """The first byte of a frame that is not empty."""
+    # (pyzmq's stubs hide Frame's buffer behind its __getattr__: they type it as no buffer)
+    return memoryview(frame).cast("B")[0]  # type: ignore[arg-type]
+
+
 class ZmqReceiver(ReceiverBase):
     """The base carries the lifecycle, ``wake`` and the newest-only mailbox; this class the socket,
     read in the caller's ``recv``, which ``put``s each delivery."""
@@ -87,6 +93,18 @@ class ZmqReceiver(ReceiverBase):
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wakeup.open(), zmq.POLLIN)
 
+    def _socket(self) -> zmq.Socket:
+        """The DEALER socket, from ``start`` to ``stop``: while the endpoint is open, which every caller checked."""
+        sock = self._sock
+        assert sock is not None
+        return sock
+
+    def _monitor_socket(self) -> zmq.Socket:
+        """The DEALER socket's monitor, from ``start`` to ``stop`` (as ``_socket``)."""
+        monitor = self._monitor
+        assert monitor is not None
+        return monitor
+
     def recv(self, deadline: Deadline) -> Delivery | None:
         self.check_open()
         if self._woken:
@@ -133,7 +151,7 @@ class ZmqReceiver(ReceiverBase):
         self._wakeup.set()
 
     def _read_monitor(self) -> None:
-        for event in monitor_events(self._monitor):
+        for event in monitor_events(self._monitor_socket()):
             kind = event["event"]
             log.debug("worker %d: socket event %s", self._worker, zmq.Event(kind).name)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -161,19 +179,21 @@ class ZmqReceiver(ReceiverBase):
         """Connect afresh: libzmq gives up on a connection that broke its bounds (an oversized
         frame), and anything unread from a lost connection is sent again after the next hello."""
         address = self._options["address"]
+        sock = self._socket()
         try:
-            self._sock.disconnect(address)
+            sock.disconnect(address)
         except zmq.ZMQError:
             pass  # libzmq already dropped the endpoint
         try:
-            self._sock.connect(address)
+            sock.connect(address)
         except zmq.ZMQError as exc:
             raise wrap(exc, f"worker {self._worker} reconnecting to {address}") from exc
 
     def _read(self) -> bool:
         """Read one message if one waits; False if none did. Raises TransportError if it is malformed."""
-        sock = self._sock
-        if not sock.get(zmq.EVENTS) & _POLLIN:  # cheaper than raising zmq.Again
+        sock = self._socket()
+        # (pyzmq's stubs give get() the type of any option's value: EVENTS' is an int)
+        if not sock.get(zmq.EVENTS) & _POLLIN:  # type: ignore[operator]  # cheaper than raising zmq.Again
             return False
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
@@ -181,15 +201,15 @@ class ZmqReceiver(ReceiverBase):
             return False
         rest, extra = rest_of(sock, first, 1)
         frames = [first, *rest]
-        if len(frames) == 1 and len(first) == 1 and not extra and memoryview(first).cast("B")[0] == REPLACED[0]:
+        if len(frames) == 1 and len(first) == 1 and not extra and _first_byte(first) == REPLACED[0]:
             self._told = (f"another connection to the sender said hello as worker {self._worker} and took its place "
                           f"(a process started again under the same worker_idx while this one runs?); this one gets "
                           f"no more versions and keeps the one it holds")
             self._check_told()
-        if len(frames) == 1 and len(first) and not extra and memoryview(first).cast("B")[0] == REFUSED[0]:
+        if len(frames) == 1 and len(first) and not extra and _first_byte(first) == REFUSED[0]:
             self._told = f"the sender refused it: {decode_refusal(first)}"
             self._check_told()
-        if len(frames) == 1 and len(first) and memoryview(first).cast("B")[0] in _ANSWERS:
+        if len(frames) == 1 and len(first) and _first_byte(first) in _ANSWERS:
             kind, seq = decode_answer(frames, extra)
             if seq == str(self._probe).encode() and self._answer is None:
                 self._answer = kind
@@ -217,7 +237,7 @@ class ZmqReceiver(ReceiverBase):
 
     def _send(self, message: bytes, what: str) -> None:
         try:
-            self._sock.send(message, zmq.NOBLOCK)
+            self._socket().send(message, zmq.NOBLOCK)
         except zmq.Again:
             raise TransportError(f"worker {self._worker} could not queue its {what}: the sender is not "
                                  f"reading (send queue full)") from None

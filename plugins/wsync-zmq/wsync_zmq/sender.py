@@ -97,7 +97,19 @@ class ZmqSender(SenderBase):
     @property
     def endpoint(self) -> str:
         """The endpoint actually bound (after ``open``)."""
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._socket().getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _socket(self) -> zmq.Socket:
+        """The ROUTER socket, from ``start`` to ``stop``: while the endpoint is open, which every caller checked."""
+        sock = self._sock
+        assert sock is not None
+        return sock
+
+    def _monitor_socket(self) -> zmq.Socket:
+        """The ROUTER socket's monitor, from ``start`` to ``stop`` (as ``_socket``)."""
+        monitor = self._monitor
+        assert monitor is not None
+        return monitor
 
     def start(self, deadline: Deadline) -> None:
         opts = self._options
@@ -155,7 +167,7 @@ class ZmqSender(SenderBase):
         if peer is None or not peer.wants or peer.sending or w not in self._waiting:
             return
         buffer, header = self._waiting[w]
-        sock = self._sock
+        sock = self._socket()
         try:
             sock.send(peer.rid, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
@@ -171,7 +183,9 @@ class ZmqSender(SenderBase):
         if not peer.fits or payload.numel() <= _COPY_BELOW:
             # small: one frame, header and a copy of the payload; a worker whose schema differs gets
             # the header alone, which lets its core name the mismatch
-            sock.send(encode_delivery(header, payload.numpy() if peer.fits else b""), copy=True)
+            # (numpy's stubs give an ndarray __buffer__ on Python 3.12+ only)
+            message = encode_delivery(header, payload.numpy() if peer.fits else b"")  # type: ignore[arg-type]
+            sock.send(message, copy=True)
             self.let_go(buffer, w)
             return
         sock.send(encode_delivery(header), zmq.SNDMORE)
@@ -179,7 +193,7 @@ class ZmqSender(SenderBase):
         with self.cond:
             peer.sending += 1
         weakref.finalize(view, self._sent, buffer, w, peer).atexit = False
-        sock.send(view, copy=False)
+        sock.send(view, copy=False)  # type: ignore[call-overload]  # (numpy's ndarray __buffer__, as above)
 
     def _sent(self, buffer: Buffer, w: int, peer: _Peer) -> None:
         """libzmq let go of a payload (from pyzmq's collector thread, or any thread)."""
@@ -204,7 +218,7 @@ class ZmqSender(SenderBase):
         self._read_peers()
 
     def _read_monitor(self) -> None:
-        for event in monitor_events(self._monitor):
+        for event in monitor_events(self._monitor_socket()):
             kind = event["event"]
             log.debug("zmq sender: socket event %s (%s)", zmq.Event(kind).name, event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
@@ -227,9 +241,10 @@ class ZmqSender(SenderBase):
                             event["endpoint"].decode(errors="replace"), zmq.Event(kind).name, event["value"])
 
     def _read_peers(self) -> None:
-        sock = self._sock
+        sock = self._socket()
         for _ in range(_MAX_READS):
-            if not sock.get(zmq.EVENTS) & _POLLIN:  # cheaper than raising zmq.Again
+            # (pyzmq's stubs give get() the type of any option's value: EVENTS' is an int)
+            if not sock.get(zmq.EVENTS) & _POLLIN:  # type: ignore[operator]  # cheaper than raising zmq.Again
                 return
             try:
                 rid_frame = sock.recv(zmq.NOBLOCK, copy=False)
@@ -302,7 +317,7 @@ class ZmqSender(SenderBase):
     def _tell(self, rid: bytes, message: bytes, whom: str) -> None:
         """Send ``message`` to connection ``rid`` if its queue has room and it is still there."""
         try:
-            self._sock.send_multipart([rid, message], zmq.NOBLOCK)
+            self._socket().send_multipart([rid, message], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("zmq sender: the queue of %s is full; %r goes unsent", whom, message[:1])
         except zmq.ZMQError as exc:
@@ -335,7 +350,7 @@ class ZmqSender(SenderBase):
         sock, monitor, context, auth = self._sock, self._monitor, self._context, self._auth
         self._sock = self._monitor = self._context = self._auth = None
         if context is not None:
-            if monitor is not None:
+            if sock is not None and monitor is not None:  # (start makes the monitor after the socket)
                 sock.disable_monitor()
             if auth is not None:
                 auth.stop()

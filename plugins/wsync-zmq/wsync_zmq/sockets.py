@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -51,10 +52,11 @@ def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
 
 
-def monitor_events(monitor: zmq.Socket) -> list[dict[str, Any]]:
+def monitor_events(monitor: zmq.Socket) -> list[Mapping[str, Any]]:
     """Every socket-monitor event waiting on ``monitor``, without blocking."""
-    events = []
-    while monitor.get(zmq.EVENTS) & _POLLIN:  # (an int: no enum to build on this hot path)
+    events: list[Mapping[str, Any]] = []
+    # (pyzmq's stubs give get() the type of any option's value: EVENTS' is an int)
+    while monitor.get(zmq.EVENTS) & _POLLIN:  # type: ignore[operator]  # (an int: no enum to build on this hot path)
         events.append(recv_monitor_message(monitor))
     return events
 

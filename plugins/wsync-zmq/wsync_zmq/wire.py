@@ -27,7 +27,7 @@ import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from wsync_core import TransportError
@@ -61,6 +61,8 @@ _LENGTH = struct.Struct(">I")
 DELIVERY_HEAD = 1 + _LENGTH.size
 
 Buffer = Union[bytes, bytearray, memoryview]
+if TYPE_CHECKING:
+    from typing_extensions import Buffer as ReadableBuffer  # any buffer (collections.abc.Buffer on 3.12+)
 
 
 def _size(frame: Any) -> int:
@@ -94,7 +96,7 @@ class Hello:
         fields = {"w": int, "m": str, "d": str, "n": int}
         for key, kind in fields.items():
             value = obj.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool) or kind is int and value < 0:
+            if not isinstance(value, kind) or isinstance(value, bool) or isinstance(value, int) and value < 0:
                 raise TransportError(f"hello field {key!r} is missing or malformed: {value!r:.60}")
         return cls(obj["w"], obj["m"], obj["d"], obj["n"])
 
@@ -114,7 +116,7 @@ def header_limit(layout: Layout) -> int:
     return min(MAX_HEADER_BYTES, 4 * len(layout.to_json()) + (1 << 20))
 
 
-def encode_delivery(header: bytes, payload: Buffer = b"") -> bytes:
+def encode_delivery(header: bytes, payload: ReadableBuffer = b"") -> bytes:
     """A delivery's first frame: kind, header length, header, then ``payload`` (empty when the
     payload goes as a frame of its own)."""
     return b"".join((DATA, _LENGTH.pack(len(header)), header, payload))
