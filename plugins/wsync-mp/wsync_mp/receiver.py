@@ -217,6 +217,19 @@ class MpReceiver(ReceiverEndpoint):
         forked.unwatch(self)  # last: a child forked while it closed lets go of what was still open
 
     # -- connection set-up --------------------------------------------------------------------
+    def _socket(self) -> socket.socket:
+        """The connection: open makes it first (a closed one stays, closed), and the core calls the
+        rest only once open returned."""
+        sock = self.sock
+        assert sock is not None
+        return sock
+
+    def _live_selector(self) -> selectors.DefaultSelector:
+        """The selector: open makes it once it shook hands; recv, its user, runs only once open returned."""
+        selector = self.selector
+        assert selector is not None
+        return selector
+
     def _redial(self, deadline: Deadline) -> bool:
         """Once the sender is gone: connect to a sender started again on the address (a restarted
         trainer), in place of the old connection (whose maps go as the model stops viewing them),
@@ -224,7 +237,7 @@ class MpReceiver(ReceiverEndpoint):
         shutdown it does not say). Not after a refusal or a protocol violation (the sender is
         still there), nor while a delivery of the old sender waits for its ack. True if connected."""
         with contextlib.suppress(KeyError, ValueError):  # (its end of file would wake every select)
-            self.selector.unregister(self.sock)
+            self._live_selector().unregister(self._socket())
         if self.failed and not self.reported:
             return False  # recv says it first
         while not (self.final or self.unanswered or self.closing or self.wakeup.is_set):
@@ -238,7 +251,7 @@ class MpReceiver(ReceiverEndpoint):
                     return True
             if deadline.expired() or self.failed and not self.reported:  # (a handshake that failed)
                 return False
-            self.selector.select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
+            self._live_selector().select(deadline.slice(_REDIAL_S))  # (only the wake-up is watched)
         return False
 
     def _reopen(self, sock: socket.socket) -> bool:
@@ -256,7 +269,7 @@ class MpReceiver(ReceiverEndpoint):
             self._end(f"the handshake with {self.peer}, started again, failed: {exc}", self.challenged)
             return False
         sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ)
+        self._live_selector().register(sock, selectors.EVENT_READ)
         return True
 
     def _connect(self, deadline: Deadline) -> socket.socket:
@@ -281,7 +294,7 @@ class MpReceiver(ReceiverEndpoint):
         challenge = self._read_frame(Kind.CHALLENGE, deadline)
         self.challenged = True  # a sender answered
         nonce = secrets.token_bytes(NONCE_BYTES)
-        self.sock.sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
+        self._socket().sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
                           + FRAMING.encode(Kind.HELLO, arg=self.worker, value=self.nbytes))
         proof = self._read_frame(Kind.PROOF, deadline)
         if not secrets.compare_digest(proof.body, mac(self.authkey, b"sender", nonce)):
@@ -291,9 +304,10 @@ class MpReceiver(ReceiverEndpoint):
         """Exactly one handshake frame (fixed size), read with the deadline."""
         size = PREFIX.size + NONCE_BYTES
         data = bytearray()
+        sock = self._socket()
         while len(data) < size:
-            self.sock.settimeout(max(deadline.remaining(), 1e-3))
-            chunk = self.sock.recv(size - len(data))
+            sock.settimeout(max(deadline.remaining(), 1e-3))
+            chunk = sock.recv(size - len(data))
             if not chunk:
                 raise TransportError(f"worker {self.worker}: {self.peer} closed the connection during the "
                                      f"handshake (wrong authkey, or worker index out of range?)")
@@ -306,15 +320,16 @@ class MpReceiver(ReceiverEndpoint):
     # -- reading (in recv) ------------------------------------------------------------------------
     def _wait(self, deadline: Deadline) -> bool:
         """Wait until the socket is readable, ``wake`` was called or the deadline passed, then read."""
-        self.selector.select(deadline.seconds())
+        self._live_selector().select(deadline.seconds())
         return self._read()
 
     def _read(self) -> bool:
         """Take in every frame waiting on the socket; True if it was found empty at the end. A
         failed or closed connection sets ``ended`` (and ``failed`` unless it was a clean goodbye)."""
+        sock = self._socket()
         while self.ended is None:
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, _READ_CHUNK, MAX_FDS)
+                data, fds, flags, _ = socket.recv_fds(sock, _READ_CHUNK, MAX_FDS)
             except BlockingIOError:
                 return True
             except OSError as exc:
@@ -412,16 +427,16 @@ class MpReceiver(ReceiverEndpoint):
             try:
                 while view:
                     try:
-                        view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                        view = view[self._socket().send(view, socket.MSG_DONTWAIT):]
                     except BlockingIOError:
                         left = end - time.monotonic()
                         if left <= 0:
                             raise TimeoutError(f"no room to send for {_SEND_TIMEOUT:g} s") from None
-                        select.select([], [self.sock], [], min(left, 1.0))
+                        select.select([], [self._socket()], [], min(left, 1.0))
             except OSError as exc:  # the next read sees the same failure and recv reports it
                 log.debug("mp worker %d: send to the sender failed: %s", self.worker, exc)
                 try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
+                    self._socket().shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
 
@@ -430,10 +445,12 @@ class MpReceiver(ReceiverEndpoint):
             self.sock.close()
         while self.fds:
             os.close(self.fds.popleft())
-        if self.marks is not None:
+        if self.marks is not None:  # (the board's words: released before the board, set and cleared with it)
             self.marks.release()
+            self.marks = None
+        if self.board is not None:
             self.board.close()
-            self.marks = self.board = None
+            self.board = None
         maps = [mapped[0] for mapped in self.maps.values() if isinstance(mapped, tuple)]
         self.maps.clear()  # drops this endpoint's maps (private ones too), so only the core's views keep one alive
         for mm in maps:

@@ -126,8 +126,9 @@ class MpSender(SenderEndpoint):
             listener.close()
             raise
         self.listener = listener
-        self.board = Slot.memfd("wsync-mp-board", 8 * max(self.num_workers, 1))
-        self.marks = memoryview(self.board.map).cast("q")
+        board = self.board = Slot.memfd("wsync-mp-board", 8 * max(self.num_workers, 1))
+        assert board.map is not None  # (a new slot: only its close() drops its map)
+        self.marks = memoryview(board.map).cast("q")
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
@@ -151,8 +152,10 @@ class MpSender(SenderEndpoint):
                     if index != self.latest and index not in busy:
                         return self.buffers[index]
                 if len(self.slots) < self.max_slots:
-                    self.slots.append(Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes))
-                    self.buffers.append(Buffer(self.slots[-1].tensor, len(self.buffers)))
+                    slot = Slot.memfd(f"wsync-mp-slot{len(self.slots)}", self.nbytes)
+                    assert slot.tensor is not None  # (a new slot: only its close() drops its tensor)
+                    self.slots.append(slot)
+                    self.buffers.append(Buffer(slot.tensor, len(self.buffers)))
                     return self.buffers[-1]
                 if self.woken:
                     raise TransportError("mp: the sender is shutting down: no slot for a new version")
@@ -171,15 +174,17 @@ class MpSender(SenderEndpoint):
             raise TransportError(f"mp: a header of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         with self.cond:
             self._check_alive()
+            marks = self.marks
+            assert marks is not None  # (open made it; a closed sender has no buffer to publish: refused above)
             self.latest = index
             self.published += 1
-            conns = [conn for w in workers if (conn := self.conns.get(w)) is not None]
-            for conn in conns:  # every frame made first: the writes, which wake workers, follow back to back
-                self.marks[conn.worker] = self.published  # before the notification: see the module's docstring
+            conns = [(w, conn) for w in workers if (conn := self.conns.get(w)) is not None]
+            for w, conn in conns:  # every frame made first: the writes, which wake workers, follow back to back
+                marks[w] = self.published  # before the notification (conn.worker is w): see the module's docstring
                 conn.pending = (index, header, self.published)
                 self._pump(conn, from_io_thread=False, write=False)
             stuck = False
-            for conn in conns:
+            for _, conn in conns:
                 self._flush(conn, from_io_thread=False)  # most often written out right here
                 stuck = stuck or bool(conn.out)
         if stuck:  # the I/O thread writes the rest when the socket has room
@@ -272,13 +277,19 @@ class MpSender(SenderEndpoint):
         self.cond.notify_all()
 
     # -- the I/O thread (everything below runs on it, under self.cond for shared state) -------
+    def _io_selector(self) -> selectors.BaseSelector:
+        """The selector: open makes it before it starts the I/O thread, its only user."""
+        selector = self.selector
+        assert selector is not None
+        return selector
+
     def _run(self) -> None:
         self._handshaking: dict[int, _Conn] = {}
         try:
             while not self.closing:
                 if self._handshaking:
                     self._expire_handshakes()
-                for key, mask in self.selector.select(1.0):
+                for key, mask in self._io_selector().select(1.0):
                     if key.fileobj is self.listener:
                         self._accept()
                     elif key.fileobj == self.wake_r:
@@ -306,8 +317,10 @@ class MpSender(SenderEndpoint):
                 self.freed.notify_all()
 
     def _accept(self) -> None:
+        listener = self.listener
+        assert listener is not None  # (called for the listener's key)
         try:
-            sock, _ = self.listener.accept()
+            sock, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # out of descriptors (EMFILE, ENFILE), say: make room, and go on serving
@@ -323,7 +336,7 @@ class MpSender(SenderEndpoint):
         conn = _Conn(sock)
         self._handshaking[sock.fileno()] = conn
         conn.push(FRAMING.encode(Kind.CHALLENGE, conn.nonce))
-        self.selector.register(sock, selectors.EVENT_READ, conn)
+        self._io_selector().register(sock, selectors.EVENT_READ, conn)
         with self.cond:
             self._flush(conn)
 
@@ -369,10 +382,13 @@ class MpSender(SenderEndpoint):
                     self._answer(conn)
             elif frame.kind is Kind.ACK:
                 with self.cond:
+                    w = conn.worker
+                    if w is None:  # (as its reader says: it takes acks only after the hello that names the worker)
+                        raise TransportError(f"{conn.reader.peer} sent an ack before its hello")
                     if len(self.events) >= _MAX_EVENTS:
-                        raise TransportError(f"worker {conn.worker} sent {_MAX_EVENTS} acks the core has not "
+                        raise TransportError(f"worker {w} sent {_MAX_EVENTS} acks the core has not "
                                              f"collected yet (one per delivery is expected)")
-                    self._emit(Acked(conn.worker, frame.body))
+                    self._emit(Acked(w, frame.body))
                     # the worker acks after taking its newest notification: every older one it
                     # still holds was taken (the newest may be unread), so it no longer counts
                     conn.pinned += conn.held[:-1]
@@ -412,7 +428,9 @@ class MpSender(SenderEndpoint):
                 self._close_conn(old)
             conn.worker = worker
             self.conns[worker] = conn
-            conn.push(FRAMING.encode(Kind.BOARD, flags=FLAG_FD), [self.board.fd])
+            board = self.board
+            assert board is not None  # (open made it before it started this thread)
+            conn.push(FRAMING.encode(Kind.BOARD, flags=FLAG_FD), [board.fd])
             self._emit(Joined(worker))
 
     def _pump(self, conn: _Conn, from_io_thread: bool = True, write: bool = True) -> None:
@@ -465,9 +483,10 @@ class MpSender(SenderEndpoint):
         if not from_io_thread:  # only the I/O thread touches its selector
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        selector = self._io_selector()
         try:
-            if self.selector.get_key(conn.sock).events != want:
-                self.selector.modify(conn.sock, want, conn)
+            if selector.get_key(conn.sock).events != want:
+                selector.modify(conn.sock, want, conn)
         except (KeyError, ValueError):
             pass
 
@@ -484,7 +503,7 @@ class MpSender(SenderEndpoint):
 
     def _close_conn(self, conn: _Conn) -> None:
         try:
-            self.selector.unregister(conn.sock)
+            self._io_selector().unregister(conn.sock)
         except (KeyError, ValueError):
             pass
         conn.sock.close()

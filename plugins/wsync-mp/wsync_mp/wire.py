@@ -53,7 +53,7 @@ class Kind(enum.IntEnum):
 
 
 #: the largest body each kind may carry
-_LIMITS = {
+_LIMITS: dict[int, int] = {
     Kind.CHALLENGE: NONCE_BYTES, Kind.RESPONSE: 2 * NONCE_BYTES, Kind.PROOF: NONCE_BYTES, Kind.HELLO: 0,
     Kind.NOTIFY: MAX_HEADER_BYTES, Kind.RELEASE: 0, Kind.ACK: MAX_ACK_BYTES, Kind.CLOSE: 4096,
     Kind.SEEN: 0, Kind.PROBE: 0, Kind.ANSWER: 0, Kind.BOARD: 0,
