@@ -45,6 +45,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 __all__ = ["KINDS", "Worker", "Reply", "HarnessError", "acquire", "release", "close_pool", "receivers",
@@ -83,7 +84,7 @@ _MACHINERY = frozenset({__name__, "pickle", "copyreg", "multiprocessing.connecti
 def _unpickler() -> str:
     """The innermost Python code that is unpickling: ``module:function`` of the nearest frame
     outside this module and the pickle machinery (the C unpickler has no frame of its own)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__") in _MACHINERY:
         frame = frame.f_back
     if frame is None:
@@ -118,7 +119,8 @@ def _install_audit_hook() -> None:
             setattr(module, name, _recording(getattr(module, name), f"{module.__name__}.{name}"))
     load_method = _recording(_pickle.Unpickler.load, "Unpickler.load")
     recorded_unpickler = type("Unpickler", (_pickle.Unpickler,), {"load": load_method, "__module__": "pickle"})
-    pickle.Unpickler = _pickle.Unpickler = recorded_unpickler
+    for module in (pickle, _pickle):  # (setattr: a module's class, replaced)
+        setattr(module, "Unpickler", recorded_unpickler)
     forking = multiprocessing.reduction.ForkingPickler
     forking.loads = staticmethod(_recording(forking.loads, "ForkingPickler.loads"))
     _audit["installed"] = True
@@ -322,6 +324,20 @@ def _state(s: _Session) -> dict[str, Any]:
     return {"version": s.scheme.version, "state": s.scheme.state}
 
 
+def _opened(s: _Session | None) -> _Session:
+    """The session a command works on: the one the parent opened (``open``) and has not closed."""
+    if s is None:  # (the command's first use of it raised this: the reply names it)
+        raise AttributeError("no receiver session is open: the parent sends 'open' first")
+    return s
+
+
+def _opened_endpoint(e: _Endpoint | None) -> _Endpoint:
+    """The endpoint an ``ep_*`` command works on: the one ``ep_open`` made and ``ep_close`` has not closed."""
+    if e is None:  # (as _opened)
+        raise AttributeError("no receiver endpoint is open: the parent sends 'ep_open' first")
+    return e
+
+
 def _call(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
     method, kwargs = msg["method"], dict(msg.get("kwargs", {}))
     if method in ("init_on_receiver", "init_on_sender"):
@@ -420,6 +436,7 @@ def serve(conn, process: bool) -> None:
     _install_audit_hook()
     session: _Session | None = None
     endpoint: _Endpoint | None = None
+    reply: dict[str, Any]
     while True:
         try:
             raw = conn.recv_bytes()
@@ -439,26 +456,28 @@ def serve(conn, process: bool) -> None:
                 _audit["process"] = process
                 reply = _state(session)
             elif cmd == "call":
-                reply = _call(session, msg)
+                reply = _call(_opened(session), msg)
             elif cmd == "follow":
                 conn.send_bytes(json.dumps({"following": True}).encode())
-                _follow(conn, session, msg)
+                _follow(conn, _opened(session), msg)
                 continue
             elif cmd == "stop":
-                reply = {**(session.follow or {}), **_state(session)}
-                session.follow = None
+                s = _opened(session)
+                reply = {**(s.follow or {}), **_state(s)}
+                s.follow = None
             elif cmd == "scene":
                 from .holding import SCENES
 
                 reply = SCENES[msg["name"]](session, **msg.get("kwargs", {}))
             elif cmd == "snapshot":
-                reply = {**_state(session), "digests": digests(session.model)}
+                s = _opened(session)
+                reply = {**_state(s), "digests": digests(s.model)}
             elif cmd == "fill":
-                reply = _fill(session, msg)
+                reply = _fill(_opened(session), msg)
             elif cmd == "hold":
-                reply = session.hold()
+                reply = _opened(session).hold()
             elif cmd == "held":
-                reply = {"held": session.held()}
+                reply = {"held": _opened(session).held()}
             elif cmd == "ep_open":
                 from wsync_core import Deadline
 
@@ -471,38 +490,39 @@ def serve(conn, process: bool) -> None:
                     endpoint.endpoint.open(Deadline(msg["timeout"]))
                 reply = {"opened": msg.get("open", True), "took": time.monotonic() - t0}
             elif cmd == "ep_recv":
-                reply = endpoint.recv(msg["timeout"], msg.get("keep", False), msg.get("ack", False))
+                reply = _opened_endpoint(endpoint).recv(msg["timeout"], msg.get("keep", False), msg.get("ack", False))
             elif cmd == "ep_shared":
-                reply = endpoint.shared(msg["timeout"], msg["pointer"], process)
+                reply = _opened_endpoint(endpoint).shared(msg["timeout"], msg["pointer"], process)
             elif cmd == "ep_held":
                 from .models import payload_digest
 
-                reply = {"digests": [payload_digest(d.payload) for d in endpoint.held]}
+                reply = {"digests": [payload_digest(d.payload) for d in _opened_endpoint(endpoint).held]}
             elif cmd == "ep_release":
-                reply = {"released": endpoint.release(msg.get("keep_last", 0))}
+                reply = {"released": _opened_endpoint(endpoint).release(msg.get("keep_last", 0))}
             elif cmd == "ep_ack":
-                endpoint.endpoint.ack(base64.b64decode(msg["data"]))
+                _opened_endpoint(endpoint).endpoint.ack(base64.b64decode(msg["data"]))
                 reply = {"acked": True}
             elif cmd == "ep_close":
+                closing = _opened_endpoint(endpoint)
                 if not msg.get("keep", False):
-                    endpoint.release()
+                    closing.release()
                 if "ack" in msg:  # acked right before closing, in one request: no round trip between
-                    endpoint.endpoint.ack(base64.b64decode(msg["ack"]))
+                    closing.endpoint.ack(base64.b64decode(msg["ack"]))
                 t0 = time.monotonic()
-                endpoint.endpoint.close()
+                closing.endpoint.close()
                 reply = {"closed": True, "took": time.monotonic() - t0}
                 endpoint = None
             elif cmd == "pickle":
                 from .portable import inspect_pickle
 
-                reply = inspect_pickle(session.scheme)
+                reply = inspect_pickle(_opened(session).scheme)
             elif cmd == "shutdown_while_receiving":
-                reply = _shutdown_while_receiving(session, msg)
+                reply = _shutdown_while_receiving(_opened(session), msg)
             elif cmd == "raw_ack":  # a broken or hostile worker: any bytes, sent as its ack
-                session.scheme._role.endpoint.ack(base64.b64decode(msg["data"]))
+                _opened(session).scheme._role.endpoint.ack(base64.b64decode(msg["data"]))
                 reply = {"sent": True}
             elif cmd == "reshape":
-                reply = _reshape(session, msg["key"])
+                reply = _reshape(_opened(session), msg["key"])
             elif cmd == "audit":
                 reply = {"events": list(_audit_events)}
             elif cmd == "resources":
@@ -606,8 +626,10 @@ class Worker:
         elif kind in ("fork", "spawn"):
             ctx = multiprocessing.get_context(kind)
             self.conn, child = ctx.Pipe()
-            self.runner = ctx.Process(target=_process_main, args=(child, parent, self.stack_file), daemon=True,
-                                      name="wsync-conformance-receiver")
+            # (typeshed types get_context(str) as a BaseContext, which has no Process: every start method's has)
+            self.runner = ctx.Process(  # type: ignore[attr-defined]
+                target=_process_main, args=(child, parent, self.stack_file), daemon=True,
+                name="wsync-conformance-receiver")
             self.runner.start()
             child.close()
         else:
@@ -618,7 +640,9 @@ class Worker:
             self.wait_started(start_timeout)
 
     def _launch(self, prefix: Sequence[str], parent: int, timeout: float):
-        path = os.path.join(self._dir, "control.sock")
+        directory = self._dir
+        assert directory is not None  # (a launched runner is a process: __init__ made its directory)
+        path = os.path.join(directory, "control.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(path)
@@ -945,7 +969,8 @@ def start_process(target, *args: Any, kind: str = "spawn", daemon: bool = True):
     with this one; returns the started ``multiprocessing.Process``. ``target`` must be importable."""
     ctx = multiprocessing.get_context(kind)
     parent = None if kind == "forkserver" else os.getpid()  # a forkserver child's parent is the server
-    proc = ctx.Process(target=_run_target, args=(parent, target, args), daemon=daemon)
+    # (typeshed types get_context(str) as a BaseContext, which has no Process: every start method's has)
+    proc = ctx.Process(target=_run_target, args=(parent, target, args), daemon=daemon)  # type: ignore[attr-defined]
     proc.start()
     return proc
 

@@ -213,8 +213,8 @@ def random_values(spec: ModelSpec, seed: int, styles: Mapping[str, str] | None =
                 pool = torch.tensor([info.max, info.min, info.tiny, -0.0, float("inf"), float("-inf"), float("nan"),
                                      info.eps], dtype=torch.float64).to(real)  # inf: NaN where there is none
             else:
-                info = torch.iinfo(real)
-                pool = torch.tensor([info.max, info.min, 0, -1 if info.min < 0 else 1], dtype=real)
+                ints = torch.iinfo(real)
+                pool = torch.tensor([ints.max, ints.min, 0, -1 if ints.min < 0 else 1], dtype=real)
             parts = 2 if dtype.is_complex else 1
             value = pool[torch.randint(0, len(pool), (n * parts,), generator=g)]
             value = torch.view_as_complex(value.reshape(n, 2)) if dtype.is_complex else value

@@ -200,7 +200,7 @@ def hosts(n: int, subnet: str | None = None, *, local: bool = False) -> Iterator
     finally:
         for host in out:
             host._kill()
-        if made_here:
+        if made_here and here is not None:  # (made only with a name)
             subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
         for ns in reversed(made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

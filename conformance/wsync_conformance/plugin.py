@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unknown = wanted - set(GUARANTEES)
     if unknown:
         raise pytest.UsageError(f"--wsync-guarantee: unknown {sorted(unknown)}; known: {', '.join(GUARANTEES)}")
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         marks = [m for m in item.iter_markers("wsync_guarantee")]
         names = {n for m in marks for n in m.args}
@@ -76,6 +77,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     dog = getattr(item, "wsync_watchdog", None)
     message = dog.message if dog is not None else None
     if message and report.failed and not getattr(item, "wsync_hung_reported", False):
-        item.wsync_hung_reported = True
+        setattr(item, "wsync_hung_reported", True)  # (an attribute of wsync's own on pytest's item)
         report.sections.insert(0, ("wsync watchdog", message))
         report.longrepr = f"[live] {message}\n\n{report.longrepr}"

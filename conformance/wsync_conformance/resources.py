@@ -7,6 +7,7 @@ import glob
 import os
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 __all__ = ["snapshot", "leaks", "shm_entries", "listening_sockets", "wait_for_no_leaks"]
@@ -97,7 +98,7 @@ def snapshot(exclude_threads: set[int] | None = None) -> dict[str, Any]:
     }
 
 
-def leaks(before: dict[str, Any], after: dict[str, Any], ignore_children: set[int] = frozenset()) -> list[str]:
+def leaks(before: dict[str, Any], after: dict[str, Any], ignore_children: Collection[int] = frozenset()) -> list[str]:
     """What ``after`` holds that ``before`` did not, one line per resource (empty: nothing leaked)."""
     out = []
     for ident, name in after["threads"].items():

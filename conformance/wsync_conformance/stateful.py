@@ -47,6 +47,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.before = resources.snapshot()
         self.s: Session | None = None
 
+    @property
+    def session(self) -> Session:
+        """The session ``start`` made (hypothesis runs the initialize rule before any other)."""
+        assert self.s is not None
+        return self.s
+
     @initialize(size=st.sampled_from(ORACLE_SIZES), kind=st.sampled_from(("module", "tensordict", "state_dict")))
     def start(self, size: str, kind: str) -> None:
         """A model drawn from tiny to >= 4 MiB with many tensors and every dtype."""
@@ -61,7 +67,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.pending: list[Any] = []
 
     def _write(self) -> None:
-        fill(self.s.model, random_values(self.s.spec, self.label))
+        fill(self.session.model, random_values(self.session.spec, self.label))
 
     # -- rules ---------------------------------------------------------------------------------
     @rule()
@@ -71,7 +77,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._write()
 
     def _snapshot(self) -> dict[str, str]:
-        return digests(self.s.model)
+        return digests(self.session.model)
 
     @rule(to=st.one_of(st.none(), st.sampled_from(_SUBSETS)))
     def send(self, to: list[int] | None) -> None:
@@ -80,9 +86,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             targets = None
         expected = self._snapshot()
         error = None
-        with self.s.following() as reports:
+        with self.session.following() as reports:
             try:
-                v = self.s.scheme.send(worker_ids=targets)
+                v = self.session.scheme.send(worker_ids=targets)
             except WorkerTimeoutError as exc:
                 error = exc
         for w, r in reports.items():
@@ -102,7 +108,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _blame(self, exc: WorkerTimeoutError, version: int) -> None:
         """Name the guarantee a timed-out send to receiving workers breaks."""
         for w in exc.workers:
-            if self.s.workers[w].snapshot()["version"] >= version:
+            if self.session.workers[w].snapshot()["version"] >= version:
                 raise violated("versioned", f"worker {w} applied version {version} but its ack never completed "
                                             f"the send: {exc}") from exc
         raise violated("live", f"workers {exc.workers} were receiving but did not get version {version}: {exc}") from exc
@@ -122,14 +128,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         if targets is not None and not self.ctx.caps.subset_send:
             targets = None
         expected = self._snapshot()
-        handle = self.s.scheme.send_async(worker_ids=targets)
+        handle = self.session.scheme.send_async(worker_ids=targets)
         self._sent(handle.version, expected, targets)
         self.pending.append(handle)
 
     @precondition(lambda self: self.pending)
     @rule()
     def wait_async(self) -> None:
-        with self.s.following() as reports:
+        with self.session.following() as reports:
             for handle in self.pending:
                 try:
                     done = handle.wait()
@@ -145,7 +151,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def receive(self, worker: int) -> None:
         """A worker reaches a safe point and calls receive()."""
         new = self.published[worker] > self.held[worker]
-        reply = self.s.workers[worker].call("receive", timeout=self.ctx.timeout if new else 0.0)
+        reply = self.session.workers[worker].call("receive", timeout=self.ctx.timeout if new else 0.0)
         if reply.error:
             raise AssertionError(f"worker {worker} receive() raised {reply.error}: {reply.get('message')}")
         got = reply.get("result")
@@ -159,9 +165,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     def silent_worker_times_out(self, silent: int) -> None:
         others = [w for w in range(N_WORKERS) if w != silent]
         expected = self._snapshot()
-        with self.s.following(others) as reports:
+        with self.session.following(others) as reports:
             try:
-                self.s.scheme.send(timeout=self.ctx.short_timeout)
+                self.session.scheme.send(timeout=self.ctx.short_timeout)
             except WorkerTimeoutError as exc:
                 if exc.workers != [silent]:
                     raise violated("live", f"WorkerTimeoutError names {exc.workers}, expected [{silent}]") from exc
@@ -175,32 +181,32 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(worker=st.integers(0, N_WORKERS - 1))
     def worker_keeps_references(self, worker: int) -> None:
         """A worker keeps a reference to each tensor of its model (checked after every later step)."""
-        self.s.workers[worker].hold()
+        self.session.workers[worker].hold()
 
     @rule()
     def pickle_scheme(self) -> None:
-        report = inspect_pickle(self.s.scheme)
+        report = inspect_pickle(self.session.scheme)
         if report["pickle_error"] or report["forbidden"] or report["size"] > MAX_PICKLE_BYTES:
             raise violated("portable", f"pickling a connected sender: {report}")
 
     @rule()
     def out_of_order_call(self) -> None:
-        state = self.s.scheme.state
+        state = self.session.scheme.state
         try:
-            self.s.scheme.init_on_sender(model=self.s.model, num_workers=N_WORKERS)
+            self.session.scheme.init_on_sender(model=self.session.model, num_workers=N_WORKERS)
         except StateError:
             pass
         else:
             raise violated("ordered", "init_on_sender() on a connected sender did not raise StateError")
-        if self.s.scheme.state != state or self.s.scheme.version != self.version:
+        if self.session.scheme.state != state or self.session.scheme.version != self.version:
             raise violated("ordered", "a refused init_on_sender() changed the scheme")
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
     def versions_and_content(self) -> None:
-        if self.s.scheme.version != self.version:
-            raise violated("versioned", f"sender version is {self.s.scheme.version}, expected {self.version}")
-        for w, worker in enumerate(self.s.workers):
+        if self.session.scheme.version != self.version:
+            raise violated("versioned", f"sender version is {self.session.scheme.version}, expected {self.version}")
+        for w, worker in enumerate(self.session.workers):
             snap = worker.snapshot()
             if snap["version"] != self.held[w]:
                 raise violated("versioned", f"worker {w} reports version {snap['version']}, expected {self.held[w]}")

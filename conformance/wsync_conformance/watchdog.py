@@ -22,8 +22,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from types import FrameType
+from typing import Any
 
 __all__ = ["Hung", "Watchdog", "current", "paused", "HUNG_EXIT_STATUS", "INTERFACE_CALLS"]
 
@@ -72,7 +73,7 @@ def _endpoint_call(frame: FrameType | None) -> tuple[str, str] | None:
     return found, f"{os.path.basename(innermost.f_code.co_filename)}:{innermost.f_lineno} in {innermost.f_code.co_name}"
 
 
-def diagnose(skip: set[int] = frozenset()) -> tuple[str, list[str]]:
+def diagnose(skip: Collection[int] = frozenset()) -> tuple[str, list[str]]:
     """What this process and the receiver runners it waits for are stuck in: (summary, details)."""
     from . import harness
 
@@ -94,16 +95,16 @@ def diagnose(skip: set[int] = frozenset()) -> tuple[str, list[str]]:
     runners: list[str] = []
     for worker, what in harness.waiting():
         stack = worker.dump_stack()
-        hit = harness.hung_call(stack)
-        if hit is not None and "recv_bytes" in hit:
+        stuck = harness.hung_call(stack)
+        if stuck is not None and "recv_bytes" in stuck:
             continue  # idle: waiting for its next command
-        where = f", stuck in {hit}" if hit else ""
+        where = f", stuck in {stuck}" if stuck else ""
         runners.append(f"receiver runner {worker.label} gave no answer to {what}{where}")
         details.append(f"receiver runner {worker.label}:\n{stack}")
     # the culprit: the test's own call into the transport; else a runner it waits for; else any thread
     calls = here or runners or others
     if not calls:
-        main = sys._current_frames().get(threading.main_thread().ident)
+        main = sys._current_frames().get(main_id) if main_id is not None else None  # (the main thread's, as above)
         if main is not None:
             last = traceback.extract_stack(main)[-1]
             calls.append(f"the test did not return from {last.name} ({os.path.basename(last.filename)}:{last.lineno})")
@@ -126,7 +127,7 @@ class Watchdog:
         self._fired: list[str] = []
         self._delivered = False  # the test's thread got its Hung
         self._thread: threading.Thread | None = None
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None  # signal.signal's handler
 
     @property
     def fired(self) -> bool:
@@ -188,6 +189,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         main = threading.main_thread().ident
+        assert main is not None  # (a started thread has an ident: the main thread runs)
         while not self._done.wait(0.1):
             if self.elapsed() <= self.budget:
                 continue

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given, strategies as st
-from wsync_core import WeightSyncScheme
+from wsync_core import SendReport, WeightSyncScheme
 from wsync_core.deadline import Deadline
 from wsync_core.delta import Mirror
 from wsync_core.protocol import Header, checksum
@@ -35,6 +35,13 @@ def delta_session(wsync: Context, spec: ModelSpec, n: int = 2, *, sync: bool = T
     wsync.on_close(s.close)
     s.connect()
     return s
+
+
+def last_report(s: Session) -> SendReport:
+    """The report of the send just made (a sender's scheme has one after each send)."""
+    report = s.scheme.last_report
+    assert report is not None
+    return report
 
 
 def touch(s: Session, seed: int, share: float) -> None:
@@ -74,8 +81,8 @@ class DeltaChecks:
         def step(seed: int, share: float) -> None:
             touch(s, seed, share)
             v = s.send()
-            report = s.scheme.last_report
-            partial = s.scheme._role._moves_prefix()  # else the transport moves whole buffers, deltas or not
+            report = last_report(s)
+            partial = s.scheme._sender()._moves_prefix()  # else the transport moves whole buffers, deltas or not
             if share <= 0.01 and (sorted(report.delta_workers) != [0, 1]
                                   or partial and report.nbytes >= report.full_nbytes):
                 raise violated("exact", f"version {v} changed {'?' if report.changed is None else format(report.changed, '.3%')} of the elements but went as "
@@ -111,9 +118,10 @@ class DeltaChecks:
         s.check(3)
         touch(s, 200, 0.02)
         s.send()  # both at version 3 now: one shared delta
-        if sorted(s.scheme.last_report.delta_workers) != [0, 1]:
-            raise violated("exact", f"workers at the same version got {s.scheme.last_report.worker_nbytes} bytes, "
-                                    f"deltas to {s.scheme.last_report.delta_workers}")
+        report = last_report(s)
+        if sorted(report.delta_workers) != [0, 1]:
+            raise violated("exact", f"workers at the same version got {report.worker_nbytes} bytes, "
+                                    f"deltas to {report.delta_workers}")
 
     @guarantee("exact")
     @pytest.mark.parametrize("how", ["in_place", "data_swap"])
@@ -141,7 +149,7 @@ class DeltaChecks:
             s.send(worker_ids=[0, 1] if i < 2 else [0])
         touch(s, 400, 0.02)
         s.send()
-        report = s.scheme.last_report
+        report = last_report(s)
         if 2 in report.delta_workers or 0 not in report.delta_workers:
             raise violated("exact", f"deltas went to {report.delta_workers}: worker 2 (at version 0) needs a full one")
 
@@ -158,14 +166,15 @@ class DeltaChecks:
                 t.view(-1)[3:9] += 1
         mirror.update(flatten(raw.model), 1, None)
         changes = mirror.since(0)
+        assert changes is not None  # (the mirror is at version 1 and remembers version 0: reset above)
 
         def publish(version: int, damage=None, **fields: Any) -> None:
             lease = raw.endpoint.acquire(Deadline(wsync.timeout))
             buffer = lease.tensor
             encoded = mirror.encode(changes, buffer)
             table = [list(t) for t in encoded.table]
-            header = dict(version=version, model_id="policy", digest=raw.layout.digest, nbytes=encoded.nbytes,
-                          table=table, base=0)
+            header: dict[str, Any] = dict(version=version, model_id="policy", digest=raw.layout.digest,
+                                          nbytes=encoded.nbytes, table=table, base=0)
             if damage is not None:
                 damage(buffer, table, header)
             header.update(fields)

@@ -27,7 +27,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -131,6 +131,7 @@ class Endpoints:
         if got != version:
             raise violated("live", f"receiver endpoint {i} did not get version {version} within {self.ctx.timeout:g} s "
                                    f"(the last it got: {got})")
+        assert d is not None  # (got is the version of the delivery that ended the loop)
         return d
 
     # -- the sender ----------------------------------------------------------------------------
@@ -496,9 +497,10 @@ class EndpointChecks:
             deadline = Deadline(wsync.timeout)
             while got != version and not deadline.expired():
                 d = e.recv(0, deadline.slice(2.0))["delivery"]
-                got = _version_of(d) if d is not None else got
-                if d is not None and d["digest"] != e.published.get(got):
-                    raise violated("live", f"the restarted worker got version {got} with other bytes")
+                if d is not None:
+                    got = _version_of(d)
+                    if d["digest"] != e.published.get(got):
+                        raise violated("live", f"the restarted worker got version {got} with other bytes")
             if got != version:
                 raise violated("live", f"a worker restarted under the same index ({how}) was not served version "
                                        f"{version} (got {got})")
@@ -625,8 +627,9 @@ class EndpointChecks:
                 pytest.skip("resident memory is not known here (no /proc)")
             if v == MEMORY_WARMUP:
                 base = peak = now
-            elif base is not None:
+            elif peak is not None:  # (set with base)
                 peak = max(peak, now)
+        assert base is not None and peak is not None  # (set at the warm-up's last send, within the loop)
         grown = peak - base
         if os.environ.get("WSYNC_CONFORMANCE_DEBUG"):
             print(f"sender memory: grew {grown / e.nbytes:.2f} model sizes over {MEMORY_SENDS} sends")
@@ -722,11 +725,11 @@ class EndpointChecks:
         e.connect()
         if e.poll(short):
             e.events.clear()
-        reply = e.recv(0, short)
-        if reply["delivery"] is not None:
+        received = e.recv(0, short)
+        if received["delivery"] is not None:
             raise violated("live", "recv() returned a delivery although nothing was published")
-        if reply["took"] > short + SLACK_S:
-            raise violated("live", f"ReceiverEndpoint.recv(deadline of {short:g} s) took {reply['took']:.1f} s")
+        if received["took"] > short + SLACK_S:
+            raise violated("live", f"ReceiverEndpoint.recv(deadline of {short:g} s) took {received['took']:.1f} s")
         held: dict[int, str] = {}
         for v in range(1, 9):  # the receiver keeps deliveries: buffers may run out, acquire must still return
             t0 = time.monotonic()
@@ -878,7 +881,7 @@ def _ack_version(data: bytes) -> int | None:
         return None
 
 
-def _names(events: list[Event]) -> str:
+def _names(events: Sequence[Event]) -> str:
     return ", ".join(type(ev).__name__ for ev in events) or "nothing"
 
 

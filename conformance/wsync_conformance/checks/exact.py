@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ __all__ = ["ExactChecks"]
 
 class ExactChecks:
     """The exact tests (a mixin of ``TransportSuite``)."""
+
+    large_mib: ClassVar[int]  # (SuiteBase's, in TransportSuite)
 
     @guarantee("exact")
     @pytest.mark.parametrize("kind", KINDS)

@@ -253,13 +253,13 @@ class FaultChecks:
             s.fill(random_values(spec, 3000 + step))
             s.send()
         slow = s.workers[1]
-        frozen = wsync.process and slow.pid is not None  # a process pauses whole (a GC pause, SIGSTOP)
+        pid = slow.pid if wsync.process else None  # a process pauses whole (a GC pause, SIGSTOP): frozen
         asleep = False
 
         def freeze() -> None:
             nonlocal asleep
-            if frozen:
-                os.kill(slow.pid, signal.SIGSTOP)
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
                 asleep = True
 
         try:
@@ -272,7 +272,7 @@ class FaultChecks:
                     raise violated("live", f"worker {i} raised while the slow worker slept: {err['error']}: {err['message']}")
                 if not reports[i].get("applied") or max(reports[i]["applied"]) != latest:
                     _settle(s, i, latest)
-            if frozen:
+            if pid is not None:
                 # receive() is asked while the worker still sleeps, and it wakes while this process
                 # (the trainer) is busy in Python: a sender whose I/O needs this process's GIL cannot
                 # write meanwhile, so receive() starts with a stale version waiting, another at most
@@ -280,14 +280,14 @@ class FaultChecks:
                 # answer, never the luck of a race with the newest version's arrival.
                 slow.call_async("receive", timeout=wsync.timeout)
                 with _trainer_busy(WAKE_BUSY_S):
-                    os.kill(slow.pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGCONT)
                     asleep = False
                 reply = slow.recv(wsync.timeout + 60.0, "answer to receive()")
             else:
                 reply = slow.call("receive", timeout=wsync.timeout)
         finally:
-            if asleep:
-                os.kill(slow.pid, signal.SIGCONT)
+            if asleep and pid is not None:  # (asleep: frozen)
+                os.kill(pid, signal.SIGCONT)
         if reply.error:
             raise violated("live", f"the slow worker's receive() raised {reply.error}: {reply.get('message')}")
         got = reply.get("result")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, ClassVar
 
 from wsync_core import WeightSyncScheme
 
@@ -17,6 +17,8 @@ __all__ = ["PortableChecks"]
 
 class PortableChecks:
     """The portable tests (a mixin of ``TransportSuite``)."""
+
+    large_mib: ClassVar[int]  # (SuiteBase's, in TransportSuite)
 
     @guarantee("portable")
     def test_portable_pickles(self, wsync: Context) -> None:

@@ -71,9 +71,9 @@ class VersionedChecks:
                 handle.wait()
         else:
             with s.following([1]):
-                exc, _ = send_expect_timeout(s, [0], timeout=wsync.short_timeout)
-            if exc.workers != [0]:
-                raise violated("versioned", f"WorkerTimeoutError names {exc.workers}, expected [0]")
+                timed_out, _ = send_expect_timeout(s, [0], timeout=wsync.short_timeout)
+            if timed_out.workers != [0]:
+                raise violated("versioned", f"WorkerTimeoutError names {timed_out.workers}, expected [0]")
             with s.following():
                 s.send()
         s.check(s.scheme.version)
