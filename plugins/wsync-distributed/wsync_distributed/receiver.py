@@ -81,7 +81,7 @@ class DistributedReceiver(ReceiverBase):
         self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
-        self.link: tuple[str, dist.ProcessGroup] | None = None
+        self.link: tuple[str, wire.Link] | None = None
 
     # -- the core's calls ------------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
@@ -101,9 +101,11 @@ class DistributedReceiver(ReceiverBase):
 
     def ack(self, data: bytes) -> None:
         self.check_open()
+        store = self.store
+        assert store is not None  # (start connected it; stop drops it once the endpoint is closed)
         try:
-            self.store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker,
-                                                                 wire.from_inbox(self.inbox, bytes(data))))
+            store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker,
+                                                            wire.from_inbox(self.inbox, bytes(data))))
         except RuntimeError as exc:
             raise TransportError(f"{self.what}: cannot reach the sender's store at "
                                  f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
@@ -163,7 +165,9 @@ class DistributedReceiver(ReceiverBase):
 
     def _clone(self) -> dist.Store:
         """Another client of the sender's store, for one more thread, that fails on a dead link."""
-        return wire.watched(self.cfg, lambda: wire.clone(self.store))
+        store = self.store
+        assert store is not None  # (start connects it first)
+        return wire.watched(self.cfg, lambda: wire.clone(store))
 
     # -- buffers ---------------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -271,9 +275,10 @@ class DistributedReceiver(ReceiverBase):
             torch.cuda.set_device(self.device)
         while not self.stopped.is_set():
             if self.evicted == self.inbox:
-                store = self._rejoin()
-                if store is None:
+                rejoined = self._rejoin()
+                if rejoined is None:
                     return
+                store = rejoined
                 continue
             try:
                 raw = store.queue_pop(wire.inbox_key(self.inbox), True)
@@ -394,10 +399,12 @@ class DistributedReceiver(ReceiverBase):
         inbox = self.inbox
         works: list = []
         error = ""
+        group = ctl.group
+        assert group is not None  # (_receive takes a part only for a control that names its link)
         try:
-            if self.link is None or self.link[0] != ctl.group:
+            if self.link is None or self.link[0] != group:
                 self._drop_link()
-                self.link = (ctl.group, wire.new_group(self.cfg, store, ctl.group, 1))
+                self.link = (group, wire.new_group(self.cfg, store, group, 1))
             if self.nbytes:
                 works = wire.broadcast(self.link[1], buffer, ctl.spans())
                 wire.wait_works(works, Deadline(self.cfg.timeout), f"link {ctl.group}",

@@ -98,7 +98,7 @@ class _Lane:
     inbox: str
     nbytes: int
     link: str
-    group: dist.ProcessGroup | None = None
+    group: wire.Link | None = None
     pending: _Job | None = None
     current: _Job | None = None
     beats: int = -1
@@ -204,8 +204,11 @@ class DistributedSender(SenderBase):
         seq = self.seqs[buffer.index]
         served = [w for w in workers if w in self.lanes]  # others are not connected (any more): Left, or never joined
         if served:
+            marks = self.marks
+            assert marks is not None  # (start made it; the core publishes only while the endpoint is open)
             try:  # before any lane may send it: a receiver that asks is told this one or a newer
-                self.marks.multi_set([wire.published_key(w) for w in served], [str(seq)] * len(served))
+                keys = [wire.published_key(w) for w in served]
+                marks.multi_set(keys, [str(seq)] * len(served))  # type: ignore[attr-defined]  # (torch's stubs lack it)
             except RuntimeError as exc:
                 raise TransportError(f"distributed: cannot write the published version's number to this "
                                      f"sender's own store: {wire.brief(exc)}") from exc
@@ -300,8 +303,10 @@ class DistributedSender(SenderBase):
         old = self.lanes.pop(w, None)
         if old is not None:
             self._retire(old)
+            store = self.store
+            assert store is not None  # (stop drops it only once closing, which the caller checked under cond)
             try:  # the store is this process's: the call does not wait on the worker
-                self.store.queue_push(wire.inbox_key(old.inbox), wire.encode_control(wire.Control(kind="replaced")))
+                store.queue_push(wire.inbox_key(old.inbox), wire.encode_control(wire.Control(kind="replaced")))
             except (RuntimeError, OSError) as exc:
                 log.debug("distributed sender: could not tell worker %d's old inbox: %s", w, wire.brief(exc))
         self.links += 1
@@ -334,10 +339,10 @@ class DistributedSender(SenderBase):
                 return
             del self.lanes[lane.worker]
             self._retire(lane)
-            evict = store is not None and not self.closing
-            if evict:
+            evict = store if not self.closing else None
+            if evict is not None:
                 try:  # the store is this process's: the call does not wait on the worker
-                    store.set(wire.evict_key(lane.inbox), b"1")
+                    evict.set(wire.evict_key(lane.inbox), b"1")  # type: ignore[arg-type]  # (torch's stubs: str only)
                 except (RuntimeError, OSError) as exc:
                     log.warning("distributed sender: could not mark worker %d given up: %s", lane.worker,
                                 wire.brief(exc))
@@ -345,9 +350,9 @@ class DistributedSender(SenderBase):
                 log.log(logging.WARNING if store is not None else logging.INFO,
                         "distributed sender: worker %d is given up: %s", lane.worker, reason)
                 self.emit(Left(lane.worker, reason))
-        if evict:
+        if evict is not None:
             try:
-                store.queue_push(wire.inbox_key(lane.inbox), wire.encode_control(wire.Control(kind="evict")))
+                evict.queue_push(wire.inbox_key(lane.inbox), wire.encode_control(wire.Control(kind="evict")))
             except (RuntimeError, OSError) as exc:
                 log.debug("distributed sender: could not evict worker %d: %s", lane.worker, wire.brief(exc))
 
@@ -465,6 +470,8 @@ class DistributedSender(SenderBase):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
+            if self.store is None:  # closed meanwhile (stop cleared the lanes first: _lose does nothing then)
+                raise RuntimeError("the sender is closed")
             store = wire.clone(self.store)
         except (RuntimeError, AttributeError) as exc:
             self._lose(lane, f"no store client for its lane: {wire.brief(exc)}", None)
@@ -475,6 +482,7 @@ class DistributedSender(SenderBase):
                 if lane.gone or self.closing:
                     break
                 job, lane.pending = lane.pending, None
+                assert job is not None  # (the wait ended on it: not gone, not closing)
                 lane.current = job
             try:
                 self._send(store, lane, job)
@@ -527,8 +535,8 @@ class DistributedSender(SenderBase):
             wire.wait_works(works, deadline, f"sending to worker {lane.worker}", lambda: lane.gone or self.closing,
                             cuda)
         except (RuntimeError, TransportError) as exc:
-            group, lane.group = lane.group, None
-            wire.abort(group)
+            broken, lane.group = lane.group, None
+            wire.abort(broken)
             wire.settle(works, self.cfg.timeout)  # gloo may still read the buffer until its works end
             raise TransportError(f"link {lane.link}: {wire.brief(exc)}") from exc
         if header is None and stream is not None:

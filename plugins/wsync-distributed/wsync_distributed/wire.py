@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,11 @@ from wsync_core.forked import socket_descriptors
 from wsync_core.protocol import MAX_ACK_BYTES, decode_json
 
 from .config import Config
+
+if TYPE_CHECKING:
+    # a link: what new_group makes, a ProcessGroupGloo or ProcessGroupNCCL, each a c10d Backend
+    # (not a dist.ProcessGroup; dist.Backend is the class of backend names)
+    from torch._C._distributed_c10d import Backend as Link
 
 __all__ = [
     "EVENTS", "JOIN", "ACK", "LEAVE", "STOP", "MAX_EVENT_BYTES", "MAX_HEADER", "Control", "brief",
@@ -224,7 +229,7 @@ def connect(cfg: Config, deadline: Deadline) -> dist.Store:
 def clone(store: dist.Store, timeout: timedelta = POP_TIMEOUT) -> dist.Store:
     """Another connection to the same store, for one more thread (a store client blocks while it
     waits); each of its calls waits at most ``timeout``. Raises RuntimeError if it cannot connect."""
-    other = store.clone()
+    other = store.clone()  # type: ignore[attr-defined]  # (torch's stubs lack Store.clone)
     other.set_timeout(timeout)
     return other
 
@@ -267,7 +272,7 @@ def _keep_alive(fd: int, port: int, seconds: float) -> None:
             return
 
 
-def abort(group: dist.ProcessGroup | None) -> None:
+def abort(group: Link | None) -> None:
     """Abort ``group`` (a link): its connections close, its pending works end with an error."""
     if group is None:
         return
@@ -287,14 +292,14 @@ def settle(works: Sequence[Any], timeout: float) -> None:
             time.sleep(0.005)
 
 
-def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int = 2) -> dist.ProcessGroup:
+def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int = 2) -> Link:
     """A private process group ``name`` of ``size`` ranks (a link: 2), rendezvous through ``store``;
     never the default group. Raises RuntimeError if a rank does not show up in time."""
     prefixed = dist.PrefixStore(f"pg/{name}/", store)
     timeout = timedelta(seconds=cfg.timeout)
     if cfg.backend == "gloo":  # connecting gets a shorter bound: a dead member must not stall set-up for long
         connect_s = min(cfg.timeout, max(5.0, 2 * cfg.heartbeat_timeout))
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (private: torch's stubs lack it)
         opts._timeout = timedelta(seconds=connect_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=cfg.bind) for _ in range(cfg.devices)]
         opts._threads = max(2, cfg.devices)
@@ -306,15 +311,15 @@ def new_group(cfg: Config, store: dist.Store, name: str, rank: int, size: int = 
     return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
 
 
-def broadcast_part(group: dist.ProcessGroup, part: torch.Tensor) -> Any:
+def broadcast_part(group: Link, part: torch.Tensor) -> Any:
     """Start broadcasting ``part`` (a contiguous slice) from rank 0; returns the work handle."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    return group.broadcast([part], opts)
+    return group.broadcast([part], opts)  # type: ignore[attr-defined]  # (torch's stubs give a Backend no collectives)
 
 
-def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, parts: Sequence[tuple[int, int]]) -> list[Any]:
+def broadcast(group: Link, buffer: torch.Tensor, parts: Sequence[tuple[int, int]]) -> list[Any]:
     """Start broadcasting ``buffer`` from rank 0, one work per [start, end) range of ``parts``."""
     return [broadcast_part(group, buffer[start:end]) for start, end in parts]
 
