@@ -236,7 +236,8 @@ class _Agent:
                     s.listen(1024)
                     listen["master_listen_fd"] = s.detach()
             self.store: dist.TCPStore | None = dist.TCPStore(self.host, self.port, None, master, wait,
-                                                             wait_for_workers=False, **listen)
+                                                             wait_for_workers=False,
+                                                             master_listen_fd=listen.get("master_listen_fd"))
         except (RuntimeError, OSError) as exc:
             if "master_listen_fd" in listen:
                 with contextlib.suppress(OSError):
@@ -259,24 +260,32 @@ class _Agent:
                 raise TransportError(f"rpc: the sender's store gives world size {raw[:20]!r}, which cannot hold rank {rank}")
             self.world = int(raw)
 
+    def live_store(self) -> dist.TCPStore:
+        """The store, from construction until ``close``: its callers run before."""
+        store = self.store
+        assert store is not None
+        return store
+
     def joined(self) -> list[int]:
         """Workers that reached the store (they then start their agents)."""
-        return [w for w in range(self.world - 1) if self.store.check([_joined_key(w)])]
+        store = self.live_store()
+        return [w for w in range(self.world - 1) if store.check([_joined_key(w)])]
 
     def start(self, wait_s: float) -> None:
         """Start this process's RPC agent; every rank must start within ``wait_s`` seconds."""
+        own = self.live_store()
         if self.rank:
-            self.store.set(_joined_key(self.rank - 1), b"1")
+            own.set(_joined_key(self.rank - 1), b"1")  # type: ignore[arg-type]  # (torch's stubs: str only)
         if self.interface is not None:
             os.environ["TP_SOCKET_IFNAME"] = os.environ[_MARK] = self.interface[0]
         # TCP only: TensorPipe's shm transport polls without sleeping (most of a core per idle process)
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}",
                                                _transports=["uv"])
         wait = timedelta(seconds=max(0.05, wait_s))
-        self.store.set_timeout(wait)
+        own.set_timeout(wait)
         _init_dist_autograd(self.rank)
         try:
-            store = self.store
+            store = self.live_store()
             if self.rank == 0:  # the agent gets a client of its own, never the store that listens (see _agent_store)
                 store = _agent_store(self.host, self.port, wait)
             _start_agent(dist.PrefixStore("wsync-rpc/agent", store), self.name, self.rank, self.world, opts)
@@ -288,7 +297,7 @@ class _Agent:
             self.started = rpc_api._is_current_rpc_agent_set()
             if self.started and self.interface is not None and not _listening:
                 _listening[:] = self.interface
-        self.store.set_timeout(timedelta(seconds=self.timeout))
+        self.live_store().set_timeout(timedelta(seconds=self.timeout))
 
     def forget_in_child(self) -> None:
         """A forked child lets go of its copies of the sender's store sockets, so the parent's port
@@ -326,7 +335,7 @@ class RpcSender(SenderBase):
         self.options = options
         self.timeout = options["rpc_timeout"]
         self.agent: _Agent | None = None
-        self.ready = False  # the RPC agent runs
+        self.running = False  # the RPC agent runs (not ``ready``: that is SenderEndpoint's streaming call)
         self.pending: dict[int, tuple[int, torch.Tensor, Buffer]] = {}  # worker -> the newest (seq, header, buffer) to send
         self.inflight: set[int] = set()  # workers whose last delivery RPC is still sending
         #: numbers publishes: a receiver keeps the newest whatever order RPC runs them in, and waits for
@@ -340,7 +349,8 @@ class RpcSender(SenderBase):
         self.stopping.clear()
         self.agent = _Agent(self, self.options, SENDER, 0, deadline)
         try:
-            self.marks = self.agent.store.clone()
+            # (torch's stubs lack Store.clone)
+            self.marks = self.agent.live_store().clone()  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise TransportError(f"rpc: no second client of the sender's own store: {_brief(exc)}") from exc
         self.starter = threading.Thread(target=self._start_agent, name="wsync-rpc-start", daemon=True)
@@ -348,6 +358,7 @@ class RpcSender(SenderBase):
 
     def _start_agent(self) -> None:
         agent = self.agent
+        assert agent is not None  # (start made it before this thread; stop drops it after joining it)
         while len(agent.joined()) < self.ctx.num_workers:
             if self.stopping.wait(0.05):
                 return
@@ -359,7 +370,7 @@ class RpcSender(SenderBase):
                 self.emit(Left(w, str(exc)))
             return
         with self.cond:
-            self.ready = True
+            self.running = True
             for w in list(self.pending):
                 self._pump(w)
 
@@ -367,8 +378,11 @@ class RpcSender(SenderBase):
         head = _as_tensor(header)
         seq = next(self.seq)
         if workers:
+            marks = self.marks
+            assert marks is not None  # (start made it; the core publishes only while the endpoint is open)
             try:  # before it is sent: a receiver that asks is told this one or a newer
-                self.marks.multi_set([_newest_key(w) for w in workers], [str(seq)] * len(workers))
+                keys = [_newest_key(w) for w in workers]
+                marks.multi_set(keys, [str(seq)] * len(workers))  # type: ignore[attr-defined]  # (torch's stubs lack it)
             except RuntimeError as exc:
                 raise TransportError(f"rpc: cannot write the published version's number to the sender's own "
                                      f"store: {_brief(exc)}") from exc
@@ -382,7 +396,7 @@ class RpcSender(SenderBase):
 
     def _pump(self, worker: int) -> None:
         """Send ``worker`` its pending delivery unless one is in flight (with ``self.cond`` held)."""
-        if not self.ready or worker in self.inflight or worker not in self.pending:
+        if not self.running or worker in self.inflight or worker not in self.pending:
             return
         seq, head, buffer = self.pending.pop(worker)
         self.inflight.add(worker)
@@ -425,7 +439,7 @@ class RpcSender(SenderBase):
         with self.cond:
             self.pending.clear()
             self.inflight.clear()
-            self.ready = False
+            self.running = False
         if agent is not None:
             agent.close()
 
@@ -450,7 +464,8 @@ class RpcReceiver(ReceiverBase):
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
         self.agent.start(deadline.remaining())
         try:
-            self.asker = self.agent.store.clone()
+            # (torch's stubs lack Store.clone)
+            self.asker = self.agent.live_store().clone()  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise TransportError(f"rpc: {worker_name(self.worker)} cannot open a second client of the sender's "
                                  f"store: {_brief(exc)}") from exc
