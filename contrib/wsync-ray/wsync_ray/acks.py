@@ -137,6 +137,7 @@ class AckServer:
                 elif sock is self._wake_r:
                     return
                 else:
+                    assert isinstance(sock, socket.socket)  # (a connection: registered as its socket)
                     self._read(self._conns[sock])
             self._expire()
 

@@ -88,10 +88,12 @@ class RayNode:
             raise
 
     def _wait_up(self, timeout: float, is_head: bool) -> None:
+        proc = self.proc
+        assert proc is not None  # (__init__ started it just before)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`ray start` exited with {self.proc.returncode}:\n{self.output()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"`ray start` exited with {proc.returncode}:\n{self.output()}")
             if b"Ray runtime started" in self._read():
                 return
             time.sleep(0.2)

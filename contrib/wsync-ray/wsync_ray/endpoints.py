@@ -75,7 +75,8 @@ def connect_ray(address: str | None) -> None:
 def _mailbox() -> Any:
     global _mailbox_class
     if _mailbox_class is None:
-        _mailbox_class = ray.remote(num_cpus=0, max_concurrency=10_000)(Mailbox)
+        # (ray's stubs type remote()'s options as a task's: max_concurrency is an actor's)
+        _mailbox_class = ray.remote(num_cpus=0, max_concurrency=10_000)(Mailbox)  # type: ignore[call-overload]
     return _mailbox_class
 
 
@@ -235,7 +236,9 @@ class RaySender(SenderEndpoint):
         if ref is None:
             data = buffer.tensor.detach().cpu().contiguous()
             try:
-                ref = ray.put(pickle.PickleBuffer(data.numpy()))  # raw bytes, out of band: one copy into the store
+                # raw bytes, out of band: one copy into the store (numpy's stubs give an ndarray
+                # __buffer__ on Python 3.12+ only)
+                ref = ray.put(pickle.PickleBuffer(data.numpy()))  # type: ignore[arg-type]
             except RayError as exc:
                 raise _ray_failed("putting the payload into Ray's object store failed", exc) from exc
         # only the newest version may be published again (to a worker that joins): the sender lets
@@ -322,11 +325,11 @@ class RaySender(SenderEndpoint):
             self.early = keep
             return out
         if isinstance(event, Left):
-            token = self.tokens.pop(event.worker, None)
-            if token is not None:
-                self.retired.add(token)
-                if token in self.links:  # its acks sent before it left are read first
-                    self.leaving[token] = (event, time.monotonic() + LEFT_GRACE_S)
+            gone = self.tokens.pop(event.worker, None)
+            if gone is not None:
+                self.retired.add(gone)
+                if gone in self.links:  # its acks sent before it left are read first
+                    self.leaving[gone] = (event, time.monotonic() + LEFT_GRACE_S)
                     return []
         return [] if event is None else [event]
 
@@ -435,7 +438,7 @@ class RayReceiver(ReceiverEndpoint):
         # how the mailbox sees this process die: through its actor, else its Ray worker's record
         watch = ["actor", context.current_actor] if context.get_actor_id() is not None else \
             ["worker", context.get_worker_id()]
-        hello = mailbox.hello.remote(self.worker, self.token, watch)
+        hello: ray.ObjectRef[Any] = mailbox.hello.remote(self.worker, self.token, watch)
         try:
             ready, _ = ray.wait([hello], timeout=deadline.seconds())
             if not ready:

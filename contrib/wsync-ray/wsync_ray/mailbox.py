@@ -33,7 +33,8 @@ def worker_alive(worker_id: str) -> bool:
     from ray.core.generated import gcs_pb2
 
     info = state._connect_and_get_accessor().get_worker_info(ray.WorkerID(bytes.fromhex(worker_id)))
-    return info is None or gcs_pb2.WorkerTableData.FromString(info).is_alive
+    # (ray's generated gcs_pb2 has no stubs: its message classes are made at import)
+    return info is None or gcs_pb2.WorkerTableData.FromString(info).is_alive  # type: ignore[attr-defined]
 
 
 class Mailbox:
