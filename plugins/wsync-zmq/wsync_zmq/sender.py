@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.auth.thread
@@ -68,7 +69,7 @@ def _source_fd(frame: zmq.Frame) -> int:
         return -1
 
 
-def _is_hello(frames: Sequence[zmq.Frame], extra: int) -> bool:
+def _is_hello(frames: Sequence[Any], extra: int) -> bool:
     """Whether a message that did not decode was meant as a hello (one frame, kind HELLO)."""
     return not extra and len(frames) == 1 and bytes(memoryview(frames[0]).cast("B")[:1]) == HELLO
 
