@@ -1075,6 +1075,38 @@ def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(tr
         sender.shutdown()
 
 
+def test_workers_pickled_from_a_template_sender_take_versions_of_any_copy_of_it() -> None:
+    """A scheme made a sender to settle its options, pickled to the workers and to the trainer's own
+    process, which makes its copy the sender: the workers take that sender's versions (a copy of the
+    scheme they came from), while a worker pickled from another trainer's scheme refuses them."""
+    template = WeightSyncScheme("shm", timeout=30.0)
+    template.init_on_sender(model=make_policy(0), num_workers=1)
+    blob = pickle.dumps(template)
+    template.shutdown()
+    model = make_policy(2)
+    sender: WeightSyncScheme = pickle.loads(blob)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(blob)
+    local = make_policy(1)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    other = WeightSyncScheme("shm", timeout=30.0, name=sender.transport.options["name"])
+    other.init_on_sender(model=make_policy(3), num_workers=1)
+    stray: WeightSyncScheme = pickle.loads(pickle.dumps(other))
+    stray.init_on_receiver(model=make_policy(4), worker_idx=0)
+    t = threading.Thread(target=receiver.connect)
+    try:
+        t.start()
+        sender.connect()
+        t.join(30)
+        assert same(model, local)
+        with pytest.raises(TransportError, match=r"than the one this scheme was pickled from|already connected"):
+            stray.connect(timeout=10.0)
+    finally:
+        t.join(30)
+        for s in (stray, other, receiver, sender):
+            s.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["shm", "mp", "zmq", "tcp", "unix", "distributed"])
 def test_a_worker_of_another_model_given_this_schemes_options_does_not_push_out_the_holder(transport):
     """A value network's worker started with the policy scheme's options by mistake, under the index

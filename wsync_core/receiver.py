@@ -44,10 +44,10 @@ class Receiver:
 
     def __init__(self, transport: Transport, model: Weights, *, worker_idx: int, model_id: str, strategy: Strategy,
                  lock: threading.RLock, origin: str | None = None) -> None:
-        """Check ``model`` and build (not open) the endpoint. ``origin``: the session of the sender
-        whose scheme this one was pickled from, whose versions alone it takes before its first one
-        (None: any sender's). Raises ValueError for a bad ``worker_idx``, TypeError for a model of
-        another type."""
+        """Check ``model`` and build (not open) the endpoint. ``origin``: what the scheme this one was
+        pickled from carried once it was a sender's (``Sender.origin``): before its first version it
+        takes only those whose session begins with it (None: any sender's). Raises ValueError for a
+        bad ``worker_idx``, TypeError for a model of another type."""
         worker_idx = number("worker_idx", worker_idx, 0, integer=True)
         model = unwrap(model)
         check_holds_writes(model)
@@ -217,11 +217,11 @@ class Receiver:
                 self._ack(self.version)
             return None
         delivery, header = best
-        if self.session is None and self.origin is not None and header.session not in (None, self.origin):
+        if self.session is None and self.origin is not None and not (header.session or self.origin).startswith(self.origin):
             _release(delivery)
             foreign = TransportError(
                 f"worker {self.worker_idx}: version {header.version} comes from another sender (session "
-                f"{header.session}) than the one this scheme was pickled from (session {self.origin}): another "
+                f"{header.session}) than the one this scheme was pickled from (sessions {self.origin}...): another "
                 f"job's trainer at the same address? Nothing applied, and this worker left that sender; give "
                 f"each job its own address")
             self._reject(header.version, foreign)

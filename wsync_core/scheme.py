@@ -310,9 +310,12 @@ class WeightSyncScheme:
             self._role = Sender(self._transport, model if model is not None else weights, num_workers=num_workers,
                                 model_id=model_id, strategy=self.strategy, lock=self._lock,
                                 delta=self._config.get("delta", False), delta_bases=self._config.get("delta_bases", 2),
-                                wire_dtype=self._config.get("wire_dtype"), delta_dense=self._config.get("delta_dense"))
+                                wire_dtype=self._config.get("wire_dtype"), delta_dense=self._config.get("delta_dense"),
+                                origin=self._config.get("origin"))
             self._config["model_id"] = model_id
-            self._config["origin"] = self._role.session  # a copy pickled from here takes versions of this sender's
+            # what every copy pickled from here carries: their receivers take only versions whose session
+            # begins with it (this sender's, or one of a copy of this scheme's) before their first one
+            self._config["origin"] = self._role.origin
             self._state = _State.SENDER
 
     def send(self, weights: Weights | None = None, worker_ids: Iterable[int] | None = None,

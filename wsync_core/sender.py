@@ -90,7 +90,7 @@ class Sender:
 
     def __init__(self, transport: Transport, source: Weights, *, num_workers: int, model_id: str, strategy: Strategy,
                  lock: threading.RLock, delta: bool | str = False, delta_bases: int = 2, wire_dtype: str | None = None,
-                 delta_dense: float | None = None) -> None:
+                 delta_dense: float | None = None, origin: str | None = None) -> None:
         """Check ``source`` and build (not open) the endpoint. Raises ValueError for weights on
         the meta device or a bad ``num_workers``, TypeError for weights of another type."""
         num_workers = number("num_workers", num_workers, 1, integer=True)
@@ -111,7 +111,10 @@ class Sender:
         self._wanting = 0
         self._wanting_lock = threading.Lock()
         self.version = -1
-        self.session = secrets.token_hex(8)  # names this sender in every header (Header.session)
+        #: what every copy of this sender's scheme carries (given, if the scheme was a copy of one already)
+        self.origin = origin or secrets.token_hex(8)
+        #: names this sender in every header (``Header.session``): its origin, then a part of its own
+        self.session = self.origin + secrets.token_hex(8)
         self.connected = False
         self.closing = False
         self.last_report: SendReport | None = None
