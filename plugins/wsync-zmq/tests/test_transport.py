@@ -99,10 +99,11 @@ def test_processes_sync_late_join_restart_and_a_dead_worker(sender, spawn):
 
 
 @contextlib.contextmanager
-def _independent_receiver(scheme: WeightSyncScheme, local) -> Iterator[WeightSyncScheme]:
-    """Worker 0 built from ``scheme``'s address alone (not unpickled), connected with ``scheme``
-    in a thread of this process; shut down on the way out."""
-    receiver = WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0)
+def _independent_receiver(scheme: WeightSyncScheme, local, *, pickled: bool = False) -> Iterator[WeightSyncScheme]:
+    """Worker 0 built from ``scheme``'s address alone (not unpickled; with ``pickled``, unpickled
+    from it), connected with ``scheme`` in a thread of this process; shut down on the way out."""
+    receiver = (pickle.loads(pickle.dumps(scheme)) if pickled
+                else WeightSyncScheme("zmq", address=scheme.transport.options["address"], timeout=30.0))
     receiver.init_on_receiver(model=local, worker_idx=0)
     thread = threading.Thread(target=receiver.connect)
     thread.start()
@@ -185,7 +186,7 @@ def test_a_worker_of_another_jobs_trainer_at_the_same_address_applies_nothing_an
     a = sender(1, model, timeout=30.0)
     b = sender(1, make_model(3), timeout=30.0, address=a.transport.options["address"])
     mine = make_model(7)
-    with _pickled_receiver(a, mine):
+    with _independent_receiver(a, mine, pickled=True):
         stray_model = make_model(9)
         held = digest(stray_model)
         stray = pickle.loads(pickle.dumps(b))
@@ -201,22 +202,6 @@ def test_a_worker_of_another_jobs_trainer_at_the_same_address_applies_nothing_an
                 a.send(timeout=30.0)
         finally:
             stray.shutdown()
-
-
-@contextlib.contextmanager
-def _pickled_receiver(scheme: WeightSyncScheme, local) -> Iterator[WeightSyncScheme]:
-    """Worker 0 unpickled from ``scheme``, connected with it in a thread of this process."""
-    receiver = pickle.loads(pickle.dumps(scheme))
-    receiver.init_on_receiver(model=local, worker_idx=0)
-    thread = threading.Thread(target=receiver.connect)
-    thread.start()
-    try:
-        scheme.connect()
-        thread.join(30)
-        yield receiver
-    finally:
-        thread.join(30)
-        receiver.shutdown()
 
 
 def test_a_hello_the_sender_cannot_read_is_answered_with_why(sender):

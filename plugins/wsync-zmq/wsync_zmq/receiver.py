@@ -20,7 +20,7 @@ import math
 import zmq
 from wsync_core import Deadline, Delivery, ReceiverBase, ReceiverContext, TransportError, Wakeup
 
-from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
+from .sockets import Sockets, close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, DATA, DELIVERY_HEAD, HELLO, NEWER, PROBE, REFUSED, REPLACED, WANT, Hello,
                    decode_answer, decode_delivery, decode_refusal, header_limit, payload_tensor)
 
@@ -43,7 +43,7 @@ def _first_byte(frame: zmq.Frame) -> int:
     return memoryview(frame).cast("B")[0]  # type: ignore[arg-type]
 
 
-class ZmqReceiver(ReceiverBase):
+class ZmqReceiver(Sockets, ReceiverBase):
     """The base carries the lifecycle, ``wake`` and the newest-only mailbox; this class the socket,
     read in the caller's ``recv``, which ``put``s each delivery."""
 
@@ -92,18 +92,6 @@ class ZmqReceiver(ReceiverBase):
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wakeup.open(), zmq.POLLIN)
-
-    def _socket(self) -> zmq.Socket:
-        """The DEALER socket, from ``start`` to ``stop``: while the endpoint is open, which every caller checked."""
-        sock = self._sock
-        assert sock is not None
-        return sock
-
-    def _monitor_socket(self) -> zmq.Socket:
-        """The DEALER socket's monitor, from ``start`` to ``stop`` (as ``_socket``)."""
-        monitor = self._monitor
-        assert monitor is not None
-        return monitor
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         self.check_open()

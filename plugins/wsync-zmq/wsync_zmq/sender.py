@@ -22,7 +22,7 @@ from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.transport import claim_refusal, index_refusal
 
-from .sockets import close_all, configure, log, monitor_events, rest_of, wrap
+from .sockets import Sockets, close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
                    encode_delivery, encode_refusal)
 
@@ -74,7 +74,7 @@ def _is_hello(frames: Sequence[Any], extra: int) -> bool:
     return not extra and len(frames) == 1 and bytes(memoryview(frames[0]).cast("B")[:1]) == HELLO
 
 
-class ZmqSender(SenderBase):
+class ZmqSender(Sockets, SenderBase):
     """The base carries the lifecycle, the events and the buffer pool; this class the sockets,
     read and written in the caller's thread (``publish`` and ``poll``; the core serializes them)."""
 
@@ -99,18 +99,6 @@ class ZmqSender(SenderBase):
     def endpoint(self) -> str:
         """The endpoint actually bound (after ``open``)."""
         return self._socket().getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def _socket(self) -> zmq.Socket:
-        """The ROUTER socket, from ``start`` to ``stop``: while the endpoint is open, which every caller checked."""
-        sock = self._sock
-        assert sock is not None
-        return sock
-
-    def _monitor_socket(self) -> zmq.Socket:
-        """The ROUTER socket's monitor, from ``start`` to ``stop`` (as ``_socket``)."""
-        monitor = self._monitor
-        assert monitor is not None
-        return monitor
 
     def start(self, deadline: Deadline) -> None:
         opts = self._options

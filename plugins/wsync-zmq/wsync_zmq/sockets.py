@@ -13,7 +13,7 @@ import zmq.utils.garbage
 from zmq.utils.monitor import recv_monitor_message
 from wsync_core import TransportError
 
-__all__ = ["log", "configure", "monitor_events", "rest_of", "close_all", "wrap"]
+__all__ = ["log", "Sockets", "configure", "monitor_events", "rest_of", "close_all", "wrap"]
 
 log = logging.getLogger("wsync.zmq")
 _POLLIN = int(zmq.POLLIN)
@@ -22,6 +22,24 @@ _NEVER_MS = 2**31 - 1
 #: how long a connection may take over ZMTP's handshake: ``heartbeat``, within these bounds (ms)
 _HANDSHAKE_MIN_MS, _HANDSHAKE_MAX_MS = 2000, 10000
 
+
+
+class Sockets:
+    """An endpoint's socket and its monitor, which ``start`` makes and ``stop`` closes (None before
+    and after): the accessors are for calls made while the endpoint is open, as every caller checks."""
+
+    _sock: zmq.Socket | None
+    _monitor: zmq.Socket | None
+
+    def _socket(self) -> zmq.Socket:
+        sock = self._sock
+        assert sock is not None
+        return sock
+
+    def _monitor_socket(self) -> zmq.Socket:
+        monitor = self._monitor
+        assert monitor is not None
+        return monitor
 
 def configure(sock: zmq.Socket, options: dict[str, Any], max_frame: int, rcvhwm: int, sndhwm: int, *,
               receives_payloads: bool) -> None:
