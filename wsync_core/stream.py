@@ -61,7 +61,7 @@ from .endpoints import ReceiverBase, SenderBase
 from .errors import TransportError
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .transport import (Acked, Buffer, Delivery, Joined, Left, ReceiverContext, SenderContext, claim_refusal,
-                        zero_copy_for)
+                        index_refusal, zero_copy_for)
 
 __all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
 
@@ -627,8 +627,9 @@ class StreamSender(_Loop, SenderBase):
             self._drop(conn, "receiver shut down")
 
     def _hello(self, conn: _Conn, worker: int, nbytes: int) -> None:
-        if not 0 <= worker < self.ctx.num_workers:
-            self._refuse(conn, f"worker index {worker} is out of range [0, {self.ctx.num_workers})")
+        why = index_refusal(worker, self.ctx.num_workers)
+        if why is not None:
+            self._refuse(conn, why)
             return
         layout = self.ctx.layout
         held = self.conns.get(worker)

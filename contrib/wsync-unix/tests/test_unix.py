@@ -47,7 +47,8 @@ def test_a_worker_index_out_of_range_is_refused_with_the_reason() -> None:
     receiver = transport.receiver(ReceiverContext(5, LAYOUT, "policy", torch.device("cpu")))
     receiver.open(Deadline(10))
     try:
-        with pytest.raises(TransportError, match=r"refused this worker: worker index 5 is out of range \[0, 1\)"):
+        with pytest.raises(TransportError, match=r"refused this worker: worker_idx 5 is out of range: "
+                                                 r"this sender has 1 workers"):
             receiver.recv(Deadline(30))
         assert sender.poll(Deadline(0)) == []
     finally:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from wsync_core import forked
 from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
-from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, claim_refusal
+from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, claim_refusal, index_refusal
 
 from wsync_core.memory import Slot
 
@@ -402,10 +402,8 @@ class MpSender(SenderEndpoint):
         connection that held it: a restarted worker), unless the index is out of range, or a
         connection whose model fits holds it and this one's does not (``claim_refusal``)."""
         self._handshaking.pop(conn.sock.fileno(), None)
-        why = None
-        if not 0 <= worker < self.num_workers:
-            why = f"worker index {worker} is out of range [0, {self.num_workers})"
-        else:
+        why = index_refusal(worker, self.num_workers)
+        if why is None:
             with self.cond:
                 held = self.conns.get(worker)
                 if held is not None and held.fits and nbytes != self.nbytes:
