@@ -1075,6 +1075,33 @@ def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(tr
         sender.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["mp", "tcp", "unix", "distributed"])
+def test_a_worker_of_another_trainers_scheme_at_the_same_address_applies_nothing(transport):
+    """Two jobs at one address: a worker pickled from job B's trainer reaches job A's sender (B's
+    could not bind). It applies none of A's versions, its connect() raises naming both senders, it
+    leaves A's sender, its shutdown() is clean, and A's send() fails at once, quoting it."""
+    sender, model, receiver, local = connected_pair(transport)
+    other = WeightSyncScheme(transport, timeout=10.0, **sender.transport.options)
+    other.init_on_sender(model=make_policy(3), num_workers=1)
+    stray_model = make_policy(4)
+    before = {k: v.clone() for k, v in stray_model.state_dict().items()}
+    stray: WeightSyncScheme = pickle.loads(pickle.dumps(other))
+    stray.init_on_receiver(model=stray_model, worker_idx=0)
+    try:
+        with pytest.raises(TransportError, match=r"comes from another sender .* than the one this scheme was pickled "
+                                                 r"from .* this worker left that sender"):
+            stray.connect(timeout=30.0)
+        assert all(torch.equal(stray_model.state_dict()[k], v) for k, v in before.items())
+        bump(model)
+        with pytest.raises(WorkerTimeoutError, match=r"worker 0 last rejected version 0: .*another sender"):
+            sender.send(timeout=30.0)
+    finally:
+        stray.shutdown()
+        other.shutdown()
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_workers_pickled_from_a_template_sender_take_versions_of_any_copy_of_it() -> None:
     """A scheme made a sender to settle its options, pickled to the workers and to the trainer's own
     process, which makes its copy the sender: the workers take that sender's versions (a copy of the
