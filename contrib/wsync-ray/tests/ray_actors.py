@@ -3,6 +3,7 @@ questions about what it holds."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -56,6 +57,10 @@ class Rollout:
         while self.scheme.version < version and time.monotonic() < end:
             time.sleep(0.01)
         return self.state()
+
+    def pid(self) -> int:
+        """This actor's process."""
+        return os.getpid()
 
     def direct_ack(self) -> bool:
         """Whether this worker's receiver acks over a direct connection to the sender."""

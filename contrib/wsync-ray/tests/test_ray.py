@@ -63,6 +63,20 @@ def _wait_dead(actor, within: float = 60.0) -> None:
     raise AssertionError(f"the killed actor still answers after {within:g} s")
 
 
+def _wait_gone(pid: int, within: float = 60.0) -> None:
+    """Return once process ``pid`` (of this machine) has ended: no longer there, or a zombie."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor's process {pid} still runs after {within:g} s")
+
+
 def _store_used() -> tuple[int, int]:
     """Bytes and objects in the cluster's object stores now (Ray's own memory stats)."""
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
@@ -81,8 +95,10 @@ def test_killed_actor_is_a_dead_worker(cluster) -> None:
         actors = _start(cluster, scheme, 3, 1 << 16)
         _fill(model, 1)
         assert scheme.send() == 1
+        pid = ray.get(actors[1].pid.remote())
         ray.kill(actors[1], no_restart=True)
         _wait_dead(actors[1])  # (the kill is asynchronous: an actor still alive could take version 2)
+        _wait_gone(pid)  # (and Ray says an actor is dead before its process ends, whose thread could take it)
         _fill(model, 2)
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError) as info:
