@@ -1007,6 +1007,18 @@ if TcpTransport is not None:
     SELECT["SilentTakeover"] = "test_live_two_receivers_claim_one_index"
     __all__ += ["SilentTakeover"]
 
+    class _StrayTakesIndex(_TcpSender):
+        """Newest hello wins whatever its size: another model's worker, given this scheme's
+        options, pushes out the worker that holds its index and applies every version."""
+
+        def _hello(self, conn, worker: int, nbytes: int) -> None:
+            super()._hello(conn, worker, self.ctx.layout.nbytes)
+
+    StrayTakesIndex = _tcp("StrayTakesIndex", sender=_StrayTakesIndex)
+    BROKEN["StrayTakesIndex"] = "live"
+    SELECT["StrayTakesIndex"] = "test_live_worker_of_another_model_does_not_take_an_index"
+    __all__ += ["StrayTakesIndex"]
+
     GoodbyeIsFinal = _tcp("GoodbyeIsFinal", receiver=_GoodbyeIsFinal)
     BROKEN["GoodbyeIsFinal"] = "live"
     SELECT["GoodbyeIsFinal"] = "test_live_sender_restarted_on_its_address"

@@ -37,7 +37,7 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event, zero_copy_for
+from wsync_core.transport import Event, claim_refusal, index_refusal, zero_copy_for
 
 from .acks import AckFrame, AckLink, AckServer, Closed, Hello
 from .mailbox import Mailbox
@@ -215,7 +215,7 @@ class RaySender(SenderEndpoint):
             # with that node (a cut link, a preempted host)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0,
-                                              scheduling_strategy=here).remote(acks, self.num_workers)
+                                              scheduling_strategy=here).remote(acks, self.num_workers, self.nbytes)
         except ValueError as exc:
             self._stop_threads()
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
@@ -411,6 +411,7 @@ class RayReceiver(ReceiverEndpoint):
     def __init__(self, options: dict[str, Any], ctx: ReceiverContext) -> None:
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
         self.worker = ctx.worker_idx
+        self.nbytes = ctx.layout.nbytes
         self.token = uuid.uuid4().hex
         self.mailbox: Any = None
         self.pending: Any = None  # a take not yet answered
@@ -438,7 +439,7 @@ class RayReceiver(ReceiverEndpoint):
         # how the mailbox sees this process die: through its actor, else its Ray worker's record
         watch = ["actor", context.current_actor] if context.get_actor_id() is not None else \
             ["worker", context.get_worker_id()]
-        hello: ray.ObjectRef[Any] = mailbox.hello.remote(self.worker, self.token, watch)
+        hello: ray.ObjectRef[Any] = mailbox.hello.remote(self.worker, self.token, watch, self.nbytes)
         try:
             ready, _ = ray.wait([hello], timeout=deadline.seconds())
             if not ready:
@@ -449,9 +450,11 @@ class RayReceiver(ReceiverEndpoint):
             raise _ray_failed(f"saying hello to the ray sender on channel {self.channel!r} failed", exc) from exc
         if reply == ["closed"]:
             raise TransportError(f"the ray sender on channel {self.channel!r} has shut down")
-        if isinstance(reply, list) and len(reply) == 2 and reply[0] == "refused" and isinstance(reply[1], str):
-            raise TransportError(f"the ray sender on channel {self.channel!r} refused worker {self.worker}: "
-                                 f"{reply[1][:300]}")
+        if isinstance(reply, list) and len(reply) == 2 and reply[0] in ("out_of_range", "held") \
+                and isinstance(reply[1], int) and not isinstance(reply[1], bool):
+            why = index_refusal(self.worker, reply[1]) if reply[0] == "out_of_range" else claim_refusal(
+                self.worker, f"a payload of {self.nbytes} bytes; this sender's has {reply[1]}")
+            raise TransportError(f"the ray sender on channel {self.channel!r} refused worker {self.worker}: {why}")
         if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == "ok"):
             raise TransportError(f"malformed hello reply from the ray sender on channel {self.channel!r}: "
                                  f"{reply!r:.100}")

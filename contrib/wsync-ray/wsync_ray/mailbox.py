@@ -41,9 +41,12 @@ class Mailbox:
     """Ray actor body (wrapped with ``ray.remote`` by the sender). Every method takes and returns
     plain values (ints, strings, bytes, lists) and object references nested in lists."""
 
-    def __init__(self, acks: list[Any] | None = None, num_workers: int | None = None) -> None:
+    def __init__(self, acks: list[Any] | None = None, num_workers: int | None = None,
+                 nbytes: int | None = None) -> None:
         self._acks = acks  # [host, port, secret] of the sender's AckServer, or None
         self._num_workers = num_workers  # the sender's: a receiver of another index is refused
+        self._nbytes = nbytes  # the sender's payload size: a model that does not fit never pushes one that does out
+        self._fits: dict[int, bool] = {}  # worker -> whether the model of the receiver serving it fits
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._posted: dict[int, int] = {}  # worker -> the newest seq posted to it
@@ -62,6 +65,7 @@ class Mailbox:
     def _drop(self, worker: int, reason: str) -> None:
         """Forget ``worker``'s receiver and tell the sender (caller holds the condition)."""
         del self._members[worker]
+        self._fits.pop(worker, None)
         self._entries.pop(worker, None)
         watch = self._watches.pop(worker, None)
         if watch is not None and watch is not asyncio.current_task():
@@ -74,18 +78,25 @@ class Mailbox:
         self._seq += 1
         self._condition().notify_all()
 
-    async def hello(self, worker: int, token: str, watch: list[Any]) -> list[Any]:
-        """Receiver ``token`` now serves ``worker`` (replacing any earlier one); ``watch`` says how to
-        see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing.
+    async def hello(self, worker: int, token: str, watch: list[Any], nbytes: int | None = None) -> list[Any]:
+        """Receiver ``token``, whose model's payload is ``nbytes``, now serves ``worker`` (replacing
+        any earlier one, unless that one's model fits and this one's does not); ``watch`` says how
+        to see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing.
         ``["ok", acks]`` (the sender's direct-ack address, or None), ``["closed"]`` if the sender
-        has shut down, ``["refused", why]`` for a worker index out of the sender's range."""
+        has shut down, ``["out_of_range", num_workers]`` for a worker index out of the sender's
+        range, ``["held", sender's nbytes]`` where the holder keeps the index (the receiver says
+        why in wsync's words: this actor imports neither torch nor wsync-core)."""
         cond = self._condition()
         async with cond:
             if self._closed:
                 return ["closed"]
             if self._num_workers is not None and not 0 <= worker < self._num_workers:
-                return ["refused", f"worker_idx {worker} is out of range: this sender has {self._num_workers} workers"]
+                return ["out_of_range", self._num_workers]
+            fits = self._nbytes is None or nbytes == self._nbytes
+            if worker in self._members and self._fits.get(worker) and not fits:
+                return ["held", self._nbytes]
             self._members[worker] = token
+            self._fits[worker] = fits
             self._entries.pop(worker, None)  # meant for a predecessor: the sender re-publishes on join
             old = self._watches.pop(worker, None)
             if old is not None:
