@@ -66,7 +66,7 @@ class Receiver:
                              f"with strategy {strategy!r} (not in its keys: a buffer outside the state_dict), so no "
                              f"version would give them values; give them real ones first (e.g. to_empty(), then "
                              f"compute them), or use strategy='tensordict', which sends every buffer")
-        self._ctx = ReceiverContext(worker_idx, self.layout, model_id, device)
+        self._ctx = ReceiverContext(worker_idx, self.layout, model_id, device, origin or "")
         self._transport = transport
         self.endpoint: ReceiverEndpoint = transport.receiver(self._ctx)
         self.source = model

@@ -98,8 +98,12 @@ class Sender:
         _refuse_meta(tensors, "init_on_sender()")
         warn_unsent(unwrap(source), tensors, "init_on_sender()")
         self.layout = Layout.of(tensors)
+        #: what every copy of this sender's scheme carries (given, if the scheme was a copy of one already)
+        self.origin = origin or secrets.token_hex(8)
+        #: names this sender in every header (``Header.session``): its origin, then a part of its own
+        self.session = self.origin + secrets.token_hex(8)
         self.endpoint: SenderEndpoint = transport.sender(SenderContext(num_workers, self.layout, model_id,
-                                                                       device_of(tensors)))
+                                                                       device_of(tensors), self.origin))
         self.transport = transport
         self.source = unwrap(source)
         self.strategy = strategy
@@ -111,10 +115,6 @@ class Sender:
         self._wanting = 0
         self._wanting_lock = threading.Lock()
         self.version = -1
-        #: what every copy of this sender's scheme carries (given, if the scheme was a copy of one already)
-        self.origin = origin or secrets.token_hex(8)
-        #: names this sender in every header (``Header.session``): its origin, then a part of its own
-        self.session = self.origin + secrets.token_hex(8)
         self.connected = False
         self.closing = False
         self.last_report: SendReport | None = None

@@ -24,8 +24,10 @@ do the same (override ``write``/``read_into`` for other calls). The bases own:
   once if that one is written already), and ``recv`` returns what it holds once the answer is in.
   A worker that was away (frozen, busy) so never applies a version that something newer had
   replaced before it asked; one that waits in ``recv`` when a version comes takes it at once.
-- **membership**: a hello names the worker; a new hello for a worker replaces its connection
-  (``Joined`` again); a connection that ends, errs, breaks the protocol or is silent for
+- **membership**: a hello names this framing's version, the worker, its layout's size and its
+  scheme's origin (a receiver of another version, of another trainer's scheme, or out of range
+  is refused and told why); a new hello for a worker replaces its connection (``Joined`` again)
+  unless its model does not fit where the holder's does; a connection that ends, errs, breaks the protocol or is silent for
   ``heartbeat`` seconds is reported ``Left``. Each side pings when idle, so a cut link is
   noticed within ``heartbeat`` seconds. A receiver reconnects by itself under its index, also
   after its stream went out of step (``recv`` raises that until a delivery comes on the new
@@ -61,15 +63,20 @@ from .endpoints import ReceiverBase, SenderBase
 from .errors import TransportError
 from .protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from .transport import (Acked, Buffer, Delivery, Joined, Left, ReceiverContext, SenderContext, claim_refusal,
-                        index_refusal, zero_copy_for)
+                        index_refusal, origin_refusal, zero_copy_for)
 
-__all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "Kind", "Violation", "frame"]
+__all__ = ["Stream", "Listener", "StreamSender", "StreamReceiver", "PREFIX", "HELLO_BODY", "STREAM_VERSION", "Kind",
+           "Violation", "frame", "hello_frame"]
 
 log = logging.getLogger("wsync.stream")
 
 #: magic, kind, a, b: what ``a`` and ``b`` mean depends on the kind (see ``_sizes``)
 PREFIX = struct.Struct("!2sBxIQ")
 MAGIC = b"ws"
+#: a hello's body: this framing's version, the worker's index, its layout's nbytes, its scheme's origin
+HELLO_BODY = struct.Struct("!BHQ16s")
+#: the version of this framing a hello names: a sender refuses a receiver of another, saying so
+STREAM_VERSION = 2
 NONCE_BYTES = 32
 MAX_REASON_BYTES = 4096
 #: bytes read from one peer before the I/O thread turns to the others
@@ -119,8 +126,10 @@ def _sizes(kind: int, a: int, b: int, payload_max: int) -> tuple[int, int]:
     """The body and payload bytes that follow a prefix; raises Violation for sizes out of bounds."""
     if kind in (Kind.CHALLENGE, Kind.PROOF) and a == NONCE_BYTES or kind == Kind.RESPONSE and a == 2 * NONCE_BYTES:
         return a, 0
-    if kind in (Kind.HELLO, Kind.PING) and a <= 0xFFFF and b <= 1 << 48:
-        return 0, 0  # HELLO: a = worker index, b = its layout's nbytes
+    if kind == Kind.HELLO and a == HELLO_BODY.size and b == 0:
+        return a, 0  # HELLO_BODY
+    if kind == Kind.PING and a <= 0xFFFF and b <= 1 << 48:
+        return 0, 0
     if kind in (Kind.PROBE, Kind.ANSWER) and b == 0:
         return 0, 0  # a = the probe's number
     if kind == Kind.DELIVER:  # a = header bytes, b = payload bytes
@@ -136,6 +145,11 @@ def _sizes(kind: int, a: int, b: int, payload_max: int) -> tuple[int, int]:
 def frame(kind: int, body: bytes = b"", a: int | None = None, b: int = 0) -> bytes:
     """One frame's prefix and body (``a`` defaults to the body's length)."""
     return PREFIX.pack(MAGIC, kind, len(body) if a is None else a, b) + body
+
+
+def hello_frame(worker: int, nbytes: int, origin: str = "", version: int = STREAM_VERSION) -> bytes:
+    """The hello of worker ``worker``, whose layout is ``nbytes``, of a scheme of ``origin``."""
+    return frame(Kind.HELLO, HELLO_BODY.pack(version, worker, nbytes, origin.encode()[:16]))
 
 
 def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
@@ -612,7 +626,12 @@ class StreamSender(_Loop, SenderBase):
             conn.push(frame(Kind.PROOF, _mac(key, b"sender", f.body[NONCE_BYTES:])))
             conn.stage, conn.reader.accept = "hello", frozenset({Kind.HELLO})
         elif f.kind == Kind.HELLO:
-            self._hello(conn, f.a, f.b)
+            version, worker, nbytes, origin = HELLO_BODY.unpack(f.body)
+            if version != STREAM_VERSION:
+                self._refuse(conn, f"the receiver speaks version {version} of wsync's stream framing, this sender "
+                                   f"version {STREAM_VERSION}: give both the same wsync version")
+                return
+            self._hello(conn, worker, nbytes, origin.rstrip(b"\0").decode("ascii", "replace"))
         elif f.kind == Kind.ACK:
             if conn.worker is None:  # (as the reader says: it takes acks only after the hello)
                 raise Violation(f"a frame of kind {f.kind} out of turn")
@@ -626,8 +645,8 @@ class StreamSender(_Loop, SenderBase):
         elif f.kind == Kind.BYE:
             self._drop(conn, "receiver shut down")
 
-    def _hello(self, conn: _Conn, worker: int, nbytes: int) -> None:
-        why = index_refusal(worker, self.ctx.num_workers)
+    def _hello(self, conn: _Conn, worker: int, nbytes: int, origin: str) -> None:
+        why = index_refusal(worker, self.ctx.num_workers) or origin_refusal(worker, origin, self.ctx.origin)
         if why is not None:
             self._refuse(conn, why)
             return
@@ -935,7 +954,7 @@ class StreamReceiver(_Loop, ReceiverBase):
     def _live(self, conn: _Conn) -> None:
         conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE,
                                                             Kind.ANSWER})
-        conn.push(frame(Kind.HELLO, a=self.ctx.worker_idx, b=self.ctx.layout.nbytes))
+        conn.push(hello_frame(self.ctx.worker_idx, self.ctx.layout.nbytes, self.ctx.origin))
 
     def _frame(self, conn: _Conn, f: Frame) -> str | None:
         if f.kind == Kind.CHALLENGE:

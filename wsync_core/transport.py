@@ -67,6 +67,7 @@ __all__ = [
     "number",
     "index_refusal",
     "claim_refusal",
+    "origin_refusal",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -142,22 +143,28 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class SenderContext:
-    """What a sender endpoint needs to know: how many workers, and the payload's layout."""
+    """What a sender endpoint needs to know: how many workers, and the payload's layout.
+    ``origin`` names the scheme this sender belongs to (every copy pickled from it): a hello
+    that carries another is refused (``origin_refusal``); "" where unknown."""
 
     num_workers: int
     layout: Layout
     model_id: str
     device: torch.device
+    origin: str = ""
 
 
 @dataclass(frozen=True)
 class ReceiverContext:
-    """What a receiver endpoint needs to know: who it is, and its model's layout and device."""
+    """What a receiver endpoint needs to know: who it is, and its model's layout and device.
+    ``origin``: the scheme's it was pickled from, for its hello; "" (a scheme built in the
+    worker itself) takes any sender's."""
 
     worker_idx: int
     layout: Layout
     model_id: str
     device: torch.device
+    origin: str = ""
 
 
 @dataclass
@@ -411,6 +418,17 @@ def index_refusal(worker: int, num_workers: int) -> str | None:
     if 0 <= worker < num_workers:
         return None
     return f"worker_idx {worker} is out of range: this sender has {num_workers} workers"
+
+
+def origin_refusal(worker: int, theirs: str, mine: str) -> str | None:
+    """Why a sender of origin ``mine`` refuses a hello of origin ``theirs`` from worker ``worker``
+    (a worker of another trainer's scheme: another job given this address), to tell it; None if
+    it takes it (the same origin, or either unknown: ""). Checked before ``claim_refusal``: such a
+    worker never takes an index, held or not."""
+    if not theirs or not mine or theirs == mine:
+        return None
+    return (f"worker {worker} belongs to another trainer's scheme (origin {theirs[:16]}; this sender's is "
+            f"{mine[:16]}): another job's worker given this address? Give each job its own address")
 
 
 def claim_refusal(worker: int, theirs: str) -> str:

@@ -10,11 +10,12 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from wsync_core import Transport
+from wsync_core import Transport, WorkerTimeoutError
 
 from .. import harness
 from ..context import Context
 from ..guarantees import violated
+from ..models import digests, fill_version
 from ..target import Target
 from ..watchdog import Watchdog
 
@@ -137,3 +138,37 @@ class SuiteBase:
             yield ctx
         finally:
             ctx.close()
+
+
+def contest_index(wsync: Context, s: Any, stray: harness.Worker, who: str, guarantee: str) -> None:
+    """``stray``, opened under worker 0's index of session ``s`` (one worker, connected), connects
+    while that worker holds the index; then three versions are sent, both following. Raise a
+    violation of ``guarantee`` naming ``who`` unless every send reaches the holder, it holds
+    version 3, and the stray, if its connect() succeeded, applied nothing and was told (its
+    receive() raised)."""
+    first = s.workers[0]
+    joined = stray.call("connect", timeout=wsync.short_timeout)
+    claims = [first] if joined.error else [first, stray]
+    reports: list[harness.Reply] = []
+    for v in (1, 2, 3):
+        fill_version(s.model, v)
+        expected = digests(s.model)
+        for w in claims:
+            w.follow()
+        try:
+            got = s.scheme.send(timeout=wsync.timeout)
+        except WorkerTimeoutError as exc:
+            raise violated(guarantee, f"{who} claimed worker 0's index (its connect() gave "
+                                      f"{joined.error or 'success'}): version {v} did not reach the worker holding "
+                                      f"it within {wsync.timeout} s: {exc}") from None
+        finally:
+            reports = [w.stop() for w in claims]
+        s.expected[got] = expected
+    holding = first.snapshot()
+    if holding["version"] != 3 or holding["digests"] != s.expected[3]:
+        raise violated(guarantee, f"{who} claimed worker 0's index: the worker holding it does not hold version 3 "
+                                  f"(it holds {holding['version']})")
+    if len(claims) == 2 and (reports[1].get("applied") or not reports[1].get("errors")):
+        raise violated(guarantee, f"{who} claimed worker 0's index: its connect() succeeded and its receive() "
+                                  f"{'applied a version' if reports[1].get('applied') else 'raised nothing'}; it "
+                                  f"must be told why it gets no versions")

@@ -9,11 +9,10 @@ import time
 
 from wsync_core import StateError, WeightSyncScheme, WorkerTimeoutError, WsyncError
 
-from .. import harness
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
 from ..models import build, digests, fill_version, many_spec, random_values, version_spec
-from .base import SLACK_S, budget, expect_connect_refused
+from .base import SLACK_S, budget, contest_index, expect_connect_refused
 
 __all__ = ["LiveChecks"]
 
@@ -330,30 +329,6 @@ class LiveChecks:
         transport that lets it push the holder out leaves every later send waiting on a worker
         that can apply nothing."""
         s = wsync.session(version_spec(), n=1)
-        first, stray = s.workers[0], wsync.workers(1)[0]
+        stray = wsync.workers(1)[0]
         stray.open(s.scheme, version_spec(side=32), wsync.device, 0)
-        joined = stray.call("connect", timeout=wsync.short_timeout)
-        claims = [first] if joined.error else [first, stray]
-        reports: list[harness.Reply] = []
-        for v in (1, 2, 3):
-            fill_version(s.model, v)
-            expected = digests(s.model)
-            for w in claims:
-                w.follow()
-            try:
-                got = s.scheme.send(timeout=wsync.timeout)
-            except WorkerTimeoutError as exc:
-                raise violated("live", f"a worker of another model claimed worker 0's index (its connect() gave "
-                                       f"{joined.error or 'success'}): version {v} did not reach the worker holding it "
-                                       f"within {wsync.timeout} s: {exc}") from None
-            finally:
-                reports = [w.stop() for w in claims]
-            s.expected[got] = expected
-        holding = first.snapshot()
-        if holding["version"] != 3 or holding["digests"] != s.expected[3]:
-            raise violated("live", f"a worker of another model claimed worker 0's index: the worker holding it does "
-                                   f"not hold version 3 (it holds {holding['version']})")
-        if len(claims) == 2 and (reports[1].get("applied") or not reports[1].get("errors")):
-            raise violated("live", f"a worker of another model claimed worker 0's index: its connect() succeeded and "
-                                   f"its receive() {'applied a version' if reports[1].get('applied') else 'raised nothing'}"
-                                   f"; it must be told that its model does not fit")
+        contest_index(wsync, s, stray, "a worker of another model", "live")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 
-from wsync_core import WorkerTimeoutError
+from wsync_core import WeightSyncScheme, WorkerTimeoutError
 
 from ..context import Context
 from ..guarantees import capability, guarantee, violated
-from ..models import digests, fill_version, version_spec
+from ..models import build, digests, fill_version, version_spec
+from .base import contest_index
 
 __all__ = ["TargetedChecks"]
 
@@ -43,3 +44,19 @@ class TargetedChecks:
                 current[t] = v
             for i in range(3):
                 s.check(current[i], [i], guarantee="targeted")
+
+    @guarantee("targeted")
+    def test_targeted_worker_of_another_trainer_does_not_take_an_index(self, wsync: Context) -> None:
+        """A receiver pickled from another trainer's scheme of the same model and options (another
+        job given this address) claims the index of a connected worker: the holder keeps the index
+        and gets every version, sends go on, and the stray is told (its connect() or receive()
+        raises) and applies nothing. A transport whose hello does not carry the scheme's origin
+        (``ReceiverContext.origin``), or whose sender does not refuse another (``origin_refusal``),
+        lets another job's worker push this job's out."""
+        s = wsync.session(version_spec(), n=1)
+        other = WeightSyncScheme(s.scheme.transport, timeout=wsync.timeout)  # the same address, another trainer
+        wsync.on_close(other.shutdown)
+        other.init_on_sender(model=build(s.spec, wsync.sender_device, sender=True), num_workers=1)
+        stray = wsync.workers(1)[0]
+        stray.open(other, s.spec, wsync.device, 0)
+        contest_index(wsync, s, stray, "a worker of another trainer's scheme", "targeted")

@@ -17,7 +17,7 @@ import torch
 from wsync_core import (Deadline, Joined, Layout, Left, ReceiverContext, SenderContext, TransportError,
                         WeightSyncScheme, WorkerTimeoutError)
 from wsync_core.protocol import MAX_ACK_BYTES
-from wsync_core.stream import PREFIX, Kind
+from wsync_core.stream import PREFIX, Kind, hello_frame
 from wsync_tcp import TcpTransport
 
 from tcp_worker import make_model
@@ -109,7 +109,7 @@ def test_auth_good_key_updates_wrong_key_and_no_key_refused(sender, spawn) -> No
     # a peer without the key that says hello at once is dropped, never joins
     host, port = options["host"], options["port"]
     with socket.create_connection((host, port)) as raw:
-        raw.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+        raw.sendall(hello_frame(1, LAYOUT.nbytes))
         assert closed_by_peer(raw)
     bump(model)
     assert scheme.send(worker_ids=[0]) == 1
@@ -131,7 +131,9 @@ def test_sender_survives_hostile_peers_and_keeps_serving(sender, spawn) -> None:
         "another protocol": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
         "a delivery, the sender's own kind": prefix(Kind.DELIVER, 10, 10),
         "an oversized ack before hello": prefix(Kind.ACK, MAX_ACK_BYTES + 1) + b"x" * 1000,
-        "a hello out of range": prefix(Kind.HELLO, 7, 0),
+        "a hello out of range": hello_frame(7, 0),
+        "a hello of another version of the framing": hello_frame(0, LAYOUT.nbytes, version=1),
+        "a hello without its body (wsync before the framing had a version)": prefix(Kind.HELLO, 0, LAYOUT.nbytes),
         "a frame of unknown kind": prefix(99, 1, 1),
     }
     peers = {}
@@ -165,8 +167,8 @@ def test_sender_survives_hostile_peers_and_keeps_serving(sender, spawn) -> None:
 def test_a_worker_that_breaks_the_protocol_is_dropped_as_left() -> None:
     with raw_sender(2, heartbeat=5.0) as (endpoint, address):
         with socket.create_connection(address) as one, socket.create_connection(address) as two:
-            one.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
-            two.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+            one.sendall(hello_frame(0, LAYOUT.nbytes))
+            two.sendall(hello_frame(1, LAYOUT.nbytes))
             got = events_until(endpoint, lambda e: len(e) >= 2)
             assert sorted(e.worker for e in got if isinstance(e, Joined)) == [0, 1]
             one.sendall(prefix(Kind.ACK, MAX_ACK_BYTES + 1))  # an oversized ack
@@ -177,7 +179,7 @@ def test_a_worker_that_breaks_the_protocol_is_dropped_as_left() -> None:
             assert closed_by_peer(one)
             # a reconnection under the same index: Joined again, and the old connection goes
             with socket.create_connection(address) as again:
-                again.sendall(prefix(Kind.HELLO, 1, LAYOUT.nbytes))
+                again.sendall(hello_frame(1, LAYOUT.nbytes))
                 got = events_until(endpoint, lambda e: any(isinstance(x, Joined) for x in e))
                 assert Joined(1) in got
                 assert closed_by_peer(two)
@@ -299,7 +301,7 @@ def test_frames_right_behind_a_hello_are_taken_as_the_worker_s() -> None:
     """A worker that reconnects while a version waits sends its hello, then a probe (or an ack)
     right behind it: one read takes them all, and the sender handles each in turn, never as out of turn."""
     with raw_sender(1, heartbeat=30.0) as (endpoint, address), socket.create_connection(address) as peer:
-        peer.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes) + prefix(Kind.PROBE, 5) + prefix(Kind.ACK, 2) + b"{}")
+        peer.sendall(hello_frame(0, LAYOUT.nbytes) + prefix(Kind.PROBE, 5) + prefix(Kind.ACK, 2) + b"{}")
         got = events_until(endpoint, lambda e: len(e) >= 2)
         assert got[0] == Joined(0) and not any(isinstance(e, Left) for e in got), got
         assert read_frame(peer)[:2] == (Kind.ANSWER, 5)  # the probe was answered, the worker kept
@@ -361,15 +363,35 @@ def test_a_stranger_dropped_for_newer_ones_is_not_refused_for_good() -> None:
                 s.close()
 
 
+def test_a_worker_of_another_trainers_scheme_is_told_and_never_takes_an_index() -> None:
+    """A hello naming another origin (a worker pickled from another job's scheme, given this
+    address) is refused with the reason, and the worker holding that index keeps it."""
+    transport = TcpTransport(heartbeat=30.0)
+    endpoint = transport.sender(SenderContext(1, LAYOUT, "policy", torch.device("cpu"), "a" * 16))
+    endpoint.open(Deadline(10))
+    try:
+        address = (transport.options["host"], transport.options["port"])
+        with socket.create_connection(address) as mine, socket.create_connection(address) as stray:
+            mine.sendall(hello_frame(0, LAYOUT.nbytes, "a" * 16))
+            assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
+            stray.sendall(hello_frame(0, LAYOUT.nbytes, "b" * 16))
+            kind, _, reason = read_frame(stray)
+            assert kind == Kind.BYE and b"another trainer's scheme" in reason, reason
+            assert closed_by_peer(stray)
+            assert endpoint.poll(Deadline(0.5)) == []  # no Left, no Joined: worker 0 is still the first
+    finally:
+        endpoint.close()
+
+
 def test_a_worker_whose_index_another_connection_took_is_told_and_stops() -> None:
     """Newest hello wins (a worker restarted while its old connection lingers), and the old
     connection is told why: a receiver still reading it stops for good (its receive() raises) instead
     of connecting again and taking the index back, over and over."""
     with raw_sender(1, heartbeat=30.0) as (endpoint, address):
         with socket.create_connection(address) as old, socket.create_connection(address) as new:
-            old.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
+            old.sendall(hello_frame(0, LAYOUT.nbytes))
             assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
-            new.sendall(prefix(Kind.HELLO, 0, LAYOUT.nbytes))
+            new.sendall(hello_frame(0, LAYOUT.nbytes))
             assert events_until(endpoint, lambda e: len(e) >= 1) == [Joined(0)]
             kind, _, reason = read_frame(old)
             assert kind == Kind.BYE and b"took its place" in reason, reason
