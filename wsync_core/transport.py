@@ -68,6 +68,7 @@ __all__ = [
     "index_refusal",
     "claim_refusal",
     "origin_refusal",
+    "MAX_ORIGIN_BYTES",
     "zero_copy_for",
     "ZERO_COPY_MIN_BYTES",
     "INTERFACE_VERSION",
@@ -418,6 +419,10 @@ def index_refusal(worker: int, num_workers: int) -> str | None:
     if 0 <= worker < num_workers:
         return None
     return f"worker_idx {worker} is out of range: this sender has {num_workers} workers"
+
+
+#: the longest origin a hello may carry (the core's are 16 hex digits)
+MAX_ORIGIN_BYTES = 64
 
 
 def origin_refusal(worker: int, theirs: str, mine: str) -> str | None:

@@ -1011,13 +1011,22 @@ if TcpTransport is not None:
         """Newest hello wins whatever its size: another model's worker, given this scheme's
         options, pushes out the worker that holds its index and applies every version."""
 
-        def _hello(self, conn, worker: int, nbytes: int) -> None:
-            super()._hello(conn, worker, self.ctx.layout.nbytes)
+        def _hello(self, conn, worker: int, nbytes: int, origin: str) -> None:
+            super()._hello(conn, worker, self.ctx.layout.nbytes, origin)
+
+    class _ForeignTakesIndex(_TcpSender):
+        """Reads the hello's origin but never compares it: a worker of another trainer's scheme
+        (another job given this address) pushes out the worker that holds its index."""
+
+        def _hello(self, conn, worker: int, nbytes: int, origin: str) -> None:
+            super()._hello(conn, worker, nbytes, "")
 
     StrayTakesIndex = _tcp("StrayTakesIndex", sender=_StrayTakesIndex)
-    BROKEN["StrayTakesIndex"] = "live"
-    SELECT["StrayTakesIndex"] = "test_live_worker_of_another_model_does_not_take_an_index"
-    __all__ += ["StrayTakesIndex"]
+    ForeignTakesIndex = _tcp("ForeignTakesIndex", sender=_ForeignTakesIndex)
+    BROKEN.update(StrayTakesIndex="live", ForeignTakesIndex="targeted")
+    SELECT.update(StrayTakesIndex="test_live_worker_of_another_model_does_not_take_an_index",
+                  ForeignTakesIndex="test_targeted_worker_of_another_trainer_does_not_take_an_index")
+    __all__ += ["StrayTakesIndex", "ForeignTakesIndex"]
 
     GoodbyeIsFinal = _tcp("GoodbyeIsFinal", receiver=_GoodbyeIsFinal)
     BROKEN["GoodbyeIsFinal"] = "live"

@@ -37,7 +37,7 @@ from wsync_core import (
     WorkerTimeoutError,
 )
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.transport import Event, claim_refusal, index_refusal, zero_copy_for
+from wsync_core.transport import Event, claim_refusal, index_refusal, origin_refusal, zero_copy_for
 
 from .acks import AckFrame, AckLink, AckServer, Closed, Hello
 from .mailbox import Mailbox
@@ -183,6 +183,7 @@ class RaySender(SenderEndpoint):
         self.direct_acks = options.get("direct_acks", True)
         self.nbytes = ctx.layout.nbytes
         self.num_workers = ctx.num_workers
+        self.origin = ctx.origin
         self.slots: list[Buffer] = []
         self.refs: dict[int, Any] = {}  # slot -> object reference holding its bytes
         self.latest = -1  # the slot published last
@@ -215,7 +216,7 @@ class RaySender(SenderEndpoint):
             # with that node (a cut link, a preempted host)
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.mailbox = _mailbox().options(name=self.channel, namespace=self.namespace, max_restarts=0,
-                                              scheduling_strategy=here).remote(acks, self.num_workers, self.nbytes)
+                                              scheduling_strategy=here).remote(acks, self.num_workers, self.nbytes, self.origin)
         except ValueError as exc:
             self._stop_threads()
             raise TransportError(f"ray channel {self.channel!r} (namespace {self.namespace!r}) already has a "
@@ -412,6 +413,7 @@ class RayReceiver(ReceiverEndpoint):
         self.channel, self.namespace, self.address = options["channel"], options["namespace"], options["address"]
         self.worker = ctx.worker_idx
         self.nbytes = ctx.layout.nbytes
+        self.origin = ctx.origin
         self.token = uuid.uuid4().hex
         self.mailbox: Any = None
         self.pending: Any = None  # a take not yet answered
@@ -439,7 +441,7 @@ class RayReceiver(ReceiverEndpoint):
         # how the mailbox sees this process die: through its actor, else its Ray worker's record
         watch = ["actor", context.current_actor] if context.get_actor_id() is not None else \
             ["worker", context.get_worker_id()]
-        hello: ray.ObjectRef[Any] = mailbox.hello.remote(self.worker, self.token, watch, self.nbytes)
+        hello: ray.ObjectRef[Any] = mailbox.hello.remote(self.worker, self.token, watch, self.nbytes, self.origin)
         try:
             ready, _ = ray.wait([hello], timeout=deadline.seconds())
             if not ready:
@@ -450,6 +452,9 @@ class RayReceiver(ReceiverEndpoint):
             raise _ray_failed(f"saying hello to the ray sender on channel {self.channel!r} failed", exc) from exc
         if reply == ["closed"]:
             raise TransportError(f"the ray sender on channel {self.channel!r} has shut down")
+        if isinstance(reply, list) and len(reply) == 2 and reply[0] == "foreign" and isinstance(reply[1], str):
+            why = origin_refusal(self.worker, self.origin, reply[1])
+            raise TransportError(f"the ray sender on channel {self.channel!r} refused worker {self.worker}: {why}")
         if isinstance(reply, list) and len(reply) == 2 and reply[0] in ("out_of_range", "held") \
                 and isinstance(reply[1], int) and not isinstance(reply[1], bool):
             why = index_refusal(self.worker, reply[1]) if reply[0] == "out_of_range" else claim_refusal(

@@ -42,11 +42,12 @@ class Mailbox:
     plain values (ints, strings, bytes, lists) and object references nested in lists."""
 
     def __init__(self, acks: list[Any] | None = None, num_workers: int | None = None,
-                 nbytes: int | None = None) -> None:
+                 nbytes: int | None = None, origin: str = "") -> None:
         self._acks = acks  # [host, port, secret] of the sender's AckServer, or None
         self._num_workers = num_workers  # the sender's: a receiver of another index is refused
         self._nbytes = nbytes  # the sender's payload size: a model that does not fit never pushes one that does out
         self._fits: dict[int, bool] = {}  # worker -> whether the model of the receiver serving it fits
+        self._origin = origin  # the sender's scheme's: a receiver of another trainer's scheme is refused
         self._cond: asyncio.Condition | None = None
         self._entries: dict[int, list[Any]] = {}  # worker -> [seq, header, [ref]]
         self._posted: dict[int, int] = {}  # worker -> the newest seq posted to it
@@ -78,20 +79,24 @@ class Mailbox:
         self._seq += 1
         self._condition().notify_all()
 
-    async def hello(self, worker: int, token: str, watch: list[Any], nbytes: int | None = None) -> list[Any]:
-        """Receiver ``token``, whose model's payload is ``nbytes``, now serves ``worker`` (replacing
-        any earlier one, unless that one's model fits and this one's does not); ``watch`` says how
-        to see its process die: ``["actor", handle]``, ``["worker", worker id hex]``, or nothing.
-        ``["ok", acks]`` (the sender's direct-ack address, or None), ``["closed"]`` if the sender
-        has shut down, ``["out_of_range", num_workers]`` for a worker index out of the sender's
-        range, ``["held", sender's nbytes]`` where the holder keeps the index (the receiver says
-        why in wsync's words: this actor imports neither torch nor wsync-core)."""
+    async def hello(self, worker: int, token: str, watch: list[Any], nbytes: int | None = None,
+                    origin: str = "") -> list[Any]:
+        """Receiver ``token``, whose model's payload is ``nbytes``, of a scheme of ``origin``, now
+        serves ``worker`` (replacing any earlier one, unless that one's model fits and this one's
+        does not); ``watch`` says how to see its process die: ``["actor", handle]``, ``["worker",
+        worker id hex]``, or nothing. ``["ok", acks]`` (the sender's direct-ack address, or None),
+        ``["closed"]`` if the sender has shut down, ``["out_of_range", num_workers]`` for a worker
+        index out of the sender's range, ``["foreign", the sender's origin]`` for a receiver of
+        another trainer's scheme, ``["held", sender's nbytes]`` where the holder keeps the index
+        (the receiver says why in wsync's words: this actor imports neither torch nor wsync-core)."""
         cond = self._condition()
         async with cond:
             if self._closed:
                 return ["closed"]
             if self._num_workers is not None and not 0 <= worker < self._num_workers:
                 return ["out_of_range", self._num_workers]
+            if origin and self._origin and origin != self._origin:
+                return ["foreign", self._origin]
             fits = self._nbytes is None or nbytes == self._nbytes
             if worker in self._members and self._fits.get(worker) and not fits:
                 return ["held", self._nbytes]

@@ -62,6 +62,7 @@ class DistributedReceiver(ReceiverBase):
         self.cfg = cfg
         self.worker = ctx.worker_idx
         self.nbytes = ctx.layout.nbytes
+        self.origin = ctx.origin
         if cfg.backend == "nccl":
             if ctx.device.type != "cuda":
                 raise TransportError(f"distributed: backend='nccl' needs a model on CUDA, got {ctx.device}")
@@ -244,7 +245,7 @@ class DistributedReceiver(ReceiverBase):
     # -- threads ---------------------------------------------------------------------------
     def _join(self, store: dist.Store) -> None:
         """Announce this worker under the current inbox (the sender then sees ``Joined``)."""
-        join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes}).encode()
+        join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes, "origin": self.origin}).encode()
         store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
 
     def _beat(self, store: dist.Store | None) -> None:

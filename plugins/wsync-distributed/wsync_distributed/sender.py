@@ -44,7 +44,7 @@ from wsync_core.endpoints import SenderBase
 from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import decode_json
-from wsync_core.transport import claim_refusal, index_refusal
+from wsync_core.transport import MAX_ORIGIN_BYTES, claim_refusal, index_refusal, origin_refusal
 
 from . import wire
 from .config import Config
@@ -428,13 +428,14 @@ class DistributedSender(SenderBase):
         if kind == wire.JOIN:
             obj = decode_json(data, f"join from worker {w}", 4096)
             try:
-                inbox, nbytes = obj["inbox"], obj["nbytes"]
+                inbox, nbytes, origin = obj["inbox"], obj["nbytes"], obj.get("origin", "")
                 if not (isinstance(inbox, str) and 0 < len(inbox) <= 64 and inbox.isalnum()
-                        and isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0):
+                        and isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0
+                        and isinstance(origin, str) and len(origin) <= MAX_ORIGIN_BYTES):
                     raise ValueError(obj)
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransportError(f"malformed join from worker {w}: {exc}") from None
-            why = index_refusal(w, self.ctx.num_workers)
+            why = index_refusal(w, self.ctx.num_workers) or origin_refusal(w, origin, self.ctx.origin)
             with self.cond:
                 held = self.lanes.get(w)
                 if why is None and held is not None and not held.gone and held.nbytes == self.ctx.layout.nbytes \

@@ -68,6 +68,7 @@ class MpReceiver(ReceiverEndpoint):
         self.authkey = authkey
         self.worker = ctx.worker_idx
         self.nbytes = ctx.layout.nbytes
+        self.origin = ctx.origin
         self.peer = f"the mp sender at {address!r}"
         self.sock: socket.socket | None = None
         self.selector: selectors.DefaultSelector | None = None
@@ -295,7 +296,7 @@ class MpReceiver(ReceiverEndpoint):
         self.challenged = True  # a sender answered
         nonce = secrets.token_bytes(NONCE_BYTES)
         self._socket().sendall(FRAMING.encode(Kind.RESPONSE, mac(self.authkey, b"receiver", challenge.body) + nonce)
-                          + FRAMING.encode(Kind.HELLO, arg=self.worker, value=self.nbytes))
+                          + FRAMING.encode(Kind.HELLO, self.origin.encode(), arg=self.worker, value=self.nbytes))
         proof = self._read_frame(Kind.PROOF, deadline)
         if not secrets.compare_digest(proof.body, mac(self.authkey, b"sender", nonce)):
             raise TransportError(f"worker {self.worker}: {self.peer} failed authentication (wrong authkey?)")

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from wsync_core import forked
 from wsync_core import Buffer, Deadline, TransportError, WorkerTimeoutError
 from wsync_core.protocol import MAX_HEADER_BYTES
-from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, SenderEndpoint, claim_refusal, index_refusal
+from wsync_core.transport import (Acked, Event, Joined, Left, SenderContext, SenderEndpoint, claim_refusal, index_refusal,
+                                  origin_refusal)
 
 from wsync_core.memory import Slot
 
@@ -94,6 +95,7 @@ class MpSender(SenderEndpoint):
         self.authkey = authkey
         self.num_workers = ctx.num_workers
         self.nbytes = ctx.layout.nbytes
+        self.origin = ctx.origin
         self.max_slots = max_slots
         self.slots: list[Slot] = []
         self.buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
@@ -358,7 +360,7 @@ class MpSender(SenderEndpoint):
                 conn.push(FRAMING.encode(Kind.PROOF, mac(self.authkey, b"sender", frame.body[NONCE_BYTES:])))
                 conn.reader.accept, conn.reader.peer = frozenset({Kind.HELLO}), "an authenticated peer"
             elif frame.kind is Kind.HELLO:
-                self._hello(conn, frame.arg, frame.value)
+                self._hello(conn, frame.arg, frame.value, frame.body.decode("ascii", "replace"))
             elif frame.kind is Kind.RELEASE:
                 with self.cond:
                     for taken in (conn.held, conn.pinned):
@@ -397,12 +399,13 @@ class MpSender(SenderEndpoint):
         with self.cond:
             self._flush(conn)
 
-    def _hello(self, conn: _Conn, worker: int, nbytes: int) -> None:
-        """A receiver's hello as ``worker`` with a model of ``nbytes``: it takes the index (from a
-        connection that held it: a restarted worker), unless the index is out of range, or a
-        connection whose model fits holds it and this one's does not (``claim_refusal``)."""
+    def _hello(self, conn: _Conn, worker: int, nbytes: int, origin: str) -> None:
+        """A receiver's hello as ``worker`` with a model of ``nbytes``, of a scheme of ``origin``: it
+        takes the index (from a connection that held it: a restarted worker), unless the index is
+        out of range, the scheme is another trainer's (``origin_refusal``), or a connection whose
+        model fits holds it and this one's does not (``claim_refusal``)."""
         self._handshaking.pop(conn.sock.fileno(), None)
-        why = index_refusal(worker, self.num_workers)
+        why = index_refusal(worker, self.num_workers) or origin_refusal(worker, origin, self.origin)
         if why is None:
             with self.cond:
                 held = self.conns.get(worker)

@@ -22,6 +22,7 @@ from wsync_core import TransportError
 from wsync_core.framing import Framing
 from wsync_core.memory import SEALS, map_shared
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import MAX_ORIGIN_BYTES
 
 __all__ = [
     "Kind", "FRAMING", "NONCE_BYTES", "MAX_FDS",
@@ -41,7 +42,7 @@ class Kind(enum.IntEnum):
     CHALLENGE = 1  # sender -> receiver: nonce
     RESPONSE = 2   # receiver -> sender: mac of the sender's nonce, then the receiver's nonce
     PROOF = 3      # sender -> receiver: mac of the receiver's nonce
-    HELLO = 4      # receiver -> sender: arg = worker index
+    HELLO = 4      # receiver -> sender: arg = worker index, value = its layout's nbytes, body = its scheme's origin
     NOTIFY = 5     # sender -> receiver: arg = slot, value = publish number, body = header, maybe an fd
     RELEASE = 6    # receiver -> sender: arg = slot, done reading it
     ACK = 7        # receiver -> sender: body = ack bytes
@@ -54,7 +55,7 @@ class Kind(enum.IntEnum):
 
 #: the largest body each kind may carry
 _LIMITS: dict[int, int] = {
-    Kind.CHALLENGE: NONCE_BYTES, Kind.RESPONSE: 2 * NONCE_BYTES, Kind.PROOF: NONCE_BYTES, Kind.HELLO: 0,
+    Kind.CHALLENGE: NONCE_BYTES, Kind.RESPONSE: 2 * NONCE_BYTES, Kind.PROOF: NONCE_BYTES, Kind.HELLO: MAX_ORIGIN_BYTES,
     Kind.NOTIFY: MAX_HEADER_BYTES, Kind.RELEASE: 0, Kind.ACK: MAX_ACK_BYTES, Kind.CLOSE: 4096,
     Kind.SEEN: 0, Kind.PROBE: 0, Kind.ANSWER: 0, Kind.BOARD: 0,
 }

@@ -56,7 +56,7 @@ from wsync_core import (
     WorkerTimeoutError,
     zero_copy_for,
 )
-from wsync_core.transport import Event, flag, index_refusal
+from wsync_core.transport import Event, flag, index_refusal, origin_refusal
 
 from . import wire
 from .wire import FRAMING, REASON_BYTES, Kind
@@ -99,6 +99,7 @@ class _Sender(SenderEndpoint):
         # a GPU model's snapshots stay in GPU memory that workers open by its CUDA IPC handle
         self._device = ctx.device if ctx.device.type == "cuda" and transport.options["cuda_ipc"] else None
         self._num_workers = ctx.num_workers
+        self._origin = ctx.origin
         self._token = secrets.token_hex(6)
         self._slots: list[Slot] = []
         self._buffers: list[Buffer] = []  # what acquire hands out: one per slot, its index is the slot's
@@ -325,7 +326,7 @@ class _Sender(SenderEndpoint):
             for frame in conn.reader.feed(data):
                 if frame.kind == Kind.HELLO:
                     conn.reader.accept = frozenset([Kind.ACK])
-                    self._hello(conn, frame.arg)
+                    self._hello(conn, frame.arg, frame.body.decode("ascii", "replace"))
                 else:
                     w = conn.worker
                     if w is None:  # (as its reader says: it takes acks only after the hello that names the worker)
@@ -339,8 +340,8 @@ class _Sender(SenderEndpoint):
         finally:
             conn.reading = False
 
-    def _hello(self, conn: _Conn, w: int) -> None:
-        why = index_refusal(w, self._num_workers)
+    def _hello(self, conn: _Conn, w: int, origin: str) -> None:
+        why = index_refusal(w, self._num_workers) or origin_refusal(w, origin, self._origin)
         if why is not None:
             return self._refuse(conn, why)
         old = self._conns.get(w)
@@ -418,6 +419,7 @@ class _Receiver(ReceiverEndpoint):
     def __init__(self, transport: ShmTransport, ctx: ReceiverContext) -> None:
         self._name: str = transport.options["name"]
         self._worker = ctx.worker_idx
+        self._origin = ctx.origin
         self._sock: socket.socket | None = None
         self._selector: selectors.DefaultSelector | None = None
         self._slots: dict[int, Slot] = {}
@@ -460,7 +462,7 @@ class _Receiver(ReceiverEndpoint):
                 sock.close()
                 return None
             wire.check_peer(sock)
-            sock.sendall(FRAMING.encode(Kind.HELLO, arg=self._worker))
+            sock.sendall(FRAMING.encode(Kind.HELLO, self._origin.encode(), arg=self._worker))
             sock.setblocking(False)
         except BaseException:
             sock.close()

@@ -15,6 +15,7 @@ import struct
 from wsync_core import TransportError
 from wsync_core.framing import Framing
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import MAX_ORIGIN_BYTES
 
 __all__ = ["Kind", "FRAMING", "REASON_BYTES", "address", "peer_pid", "check_peer", "send_some"]
 
@@ -24,7 +25,7 @@ _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1    # receiver -> sender
+    HELLO = 1    # receiver -> sender: arg = worker, body = its scheme's origin
     ACK = 2      # receiver -> sender
     WELCOME = 3  # sender -> receiver
     DELIVER = 4  # sender -> receiver
@@ -32,7 +33,7 @@ class Kind(enum.IntEnum):
     BYE = 6      # sender -> receiver: it shuts down (a clean end: the worker says nothing of it)
 
 
-FRAMING = Framing(b"WSHM", {Kind.HELLO: 0, Kind.ACK: MAX_ACK_BYTES, Kind.WELCOME: 12,
+FRAMING = Framing(b"WSHM", {Kind.HELLO: MAX_ORIGIN_BYTES, Kind.ACK: MAX_ACK_BYTES, Kind.WELCOME: 12,
                             Kind.DELIVER: MAX_HEADER_BYTES, Kind.REFUSE: REASON_BYTES, Kind.BYE: 0})
 
 

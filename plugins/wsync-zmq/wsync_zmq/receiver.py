@@ -53,7 +53,7 @@ class ZmqReceiver(Sockets, ReceiverBase):
         self._worker = ctx.worker_idx
         self._nbytes = ctx.layout.nbytes
         self._max_header = header_limit(ctx.layout)
-        self._hello = Hello(ctx.worker_idx, ctx.model_id, ctx.layout.digest, ctx.layout.nbytes).encode()
+        self._hello = Hello(ctx.worker_idx, ctx.model_id, ctx.layout.digest, ctx.layout.nbytes, ctx.origin).encode()
         self._context: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None

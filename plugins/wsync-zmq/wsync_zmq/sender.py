@@ -20,7 +20,7 @@ import zmq.auth.thread
 from wsync_core import Acked, Buffer, Deadline, Event, Joined, Left, SenderBase, SenderContext, TransportError
 from wsync_core import forked
 from wsync_core.forked import close_inherited
-from wsync_core.transport import claim_refusal, index_refusal
+from wsync_core.transport import claim_refusal, index_refusal, origin_refusal
 
 from .sockets import Sockets, close_all, configure, log, monitor_events, rest_of, wrap
 from .wire import (ACK, BYE, CURRENT, HELLO, MAX_PEER_FRAME, NEWER, PROBE, REPLACED, WANT, decode_peer,
@@ -254,7 +254,7 @@ class ZmqSender(Sockets, SenderBase):
         if msg.kind == HELLO:
             hello = msg.hello
             w = hello.worker
-            why = index_refusal(w, self.ctx.num_workers)
+            why = index_refusal(w, self.ctx.num_workers) or origin_refusal(w, hello.origin, self.ctx.origin)
             if why is not None:
                 log.warning("zmq sender refused a hello from peer %s: %s", rid.hex(), why)
                 self._tell(rid, encode_refusal(why), f"peer {rid.hex()}")

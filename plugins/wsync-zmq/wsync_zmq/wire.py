@@ -33,6 +33,7 @@ import torch
 from wsync_core import TransportError
 from wsync_core.layout import Layout
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES, PROTOCOL, check_protocol, decode_json
+from wsync_core.transport import MAX_ORIGIN_BYTES
 
 __all__ = [
     "DATA", "CURRENT", "NEWER", "REPLACED", "REFUSED", "HELLO", "ACK", "BYE", "WANT", "PROBE", "MAX_REFUSAL_BYTES",
@@ -78,15 +79,18 @@ def _describe(frames: Sequence[Any], extra: int) -> str:
 
 @dataclass(frozen=True)
 class Hello:
-    """What a receiver announces on every (re)connection: who it is and the schema it holds."""
+    """What a receiver announces on every (re)connection: who it is, the schema it holds, and the
+    origin of the scheme it was pickled from ("" if none)."""
 
     worker: int
     model_id: str
     digest: str
     nbytes: int
+    origin: str = ""
 
     def encode(self) -> bytes:
-        obj = {"wsync": PROTOCOL, "w": self.worker, "m": self.model_id, "d": self.digest, "n": self.nbytes}
+        obj = {"wsync": PROTOCOL, "w": self.worker, "m": self.model_id, "d": self.digest, "n": self.nbytes,
+               "o": self.origin}
         return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
@@ -98,7 +102,10 @@ class Hello:
             value = obj.get(key)
             if not isinstance(value, kind) or isinstance(value, bool) or isinstance(value, int) and value < 0:
                 raise TransportError(f"hello field {key!r} is missing or malformed: {value!r:.60}")
-        return cls(obj["w"], obj["m"], obj["d"], obj["n"])
+        origin = obj.get("o", "")
+        if not isinstance(origin, str) or len(origin) > MAX_ORIGIN_BYTES:
+            raise TransportError(f"hello field 'o' is malformed: {origin!r:.60}")
+        return cls(obj["w"], obj["m"], obj["d"], obj["n"], origin)
 
 
 @dataclass(frozen=True)
