@@ -22,7 +22,7 @@ from core_helpers import connect_both
 from wsync_core import (Capabilities, ReceiverContext, SenderContext, StreamReceiver, StreamSender, Transport,
                         TransportError, WeightSyncScheme)
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
-from wsync_core.stream import Kind, Violation, _Reader, frame
+from wsync_core.stream import HELLO_BODY, STREAM_VERSION, Kind, Violation, _Reader, frame, hello_frame
 
 ALL = frozenset(range(1, 9))
 
@@ -62,13 +62,15 @@ def read_all(data: bytes, payload_max: int, sizes: list[int]) -> list:
 
 
 @given(header=st.binary(max_size=300), payload=st.binary(max_size=300), ack=st.binary(max_size=300),
-       worker=st.integers(0, 0xFFFF))
-def test_frames_read_back(header: bytes, payload: bytes, ack: bytes, worker: int) -> None:
-    data = (frame(Kind.HELLO, a=worker, b=len(payload)) + frame(Kind.DELIVER, header, len(header), len(payload))
+       worker=st.integers(0, 0xFFFF), origin=st.text("0123456789abcdef", max_size=16))
+def test_frames_read_back(header: bytes, payload: bytes, ack: bytes, worker: int, origin: str) -> None:
+    data = (hello_frame(worker, len(payload), origin) + frame(Kind.DELIVER, header, len(header), len(payload))
             + payload + frame(Kind.ACK, ack) + frame(Kind.PING) + frame(Kind.BYE, b"reason"))
     frames = read_all(data, len(payload), [])
     assert [f.kind for f in frames] == [Kind.HELLO, Kind.DELIVER, Kind.ACK, Kind.PING, Kind.BYE]
-    assert (frames[0].a, frames[0].b) == (worker, len(payload))
+    version, got_worker, nbytes, got_origin = HELLO_BODY.unpack(frames[0].body)
+    assert (version, got_worker, nbytes, got_origin.rstrip(b"\0").decode()) == (STREAM_VERSION, worker, len(payload),
+                                                                                 origin)
     assert frames[1].body == header
     assert (bytes(frames[1].payload.numpy()) if payload else frames[1].payload) == (payload or None)
     assert frames[2].body == ack and frames[4].body == b"reason"
