@@ -5,6 +5,7 @@ and wsync-unix test the rest with real sockets)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -19,8 +20,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from core_helpers import connect_both
-from wsync_core import (Capabilities, ReceiverContext, SenderContext, StreamReceiver, StreamSender, Transport,
-                        TransportError, WeightSyncScheme)
+from wsync_core import (Capabilities, Deadline, Layout, ReceiverContext, SenderContext, StreamReceiver, StreamSender,
+                        Transport, TransportError, WeightSyncScheme)
+from wsync_core import stream as stream_module
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
 from wsync_core.stream import HELLO_BODY, STREAM_VERSION, Kind, Violation, _Reader, frame, hello_frame
 
@@ -506,3 +508,31 @@ def test_an_error_in_the_receivers_io_thread_is_raised_by_receive() -> None:
         FailingSinkPipeTransport.fail[0] = False
         receiver.shutdown()
         sender.shutdown()
+
+
+def test_an_io_thread_stuck_past_close_closes_its_own_descriptors(monkeypatch, caplog) -> None:
+    """close() waits a bounded time for the I/O thread; one stuck longer in a plugin's call (a
+    connect that hangs) is named in a warning and closes its selector and wake-up pipe itself when
+    it ends: closed under it, their numbers could be another file's by the time it wrote to them."""
+    monkeypatch.setattr(stream_module, "_JOIN_S", 0.2)
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(StreamReceiver):
+        def connect(self, timeout: float) -> _Pipe:
+            entered.set()
+            release.wait(30)
+            raise ConnectionRefusedError("no sender listens")
+
+    endpoint = Stuck("stuck worker 0", ReceiverContext(0, Layout.of({"w": torch.zeros(4)}), "m", torch.device("cpu")))
+    endpoint.open(Deadline(5))
+    thread = endpoint.thread
+    assert thread is not None and entered.wait(30)
+    wake_r = endpoint.wake_r
+    with caplog.at_level(logging.WARNING, logger="wsync.stream"):
+        endpoint.close()
+    assert "still running" in caplog.text
+    os.fstat(wake_r)  # still open: the thread may still use it
+    assert endpoint.selector is not None
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive() and endpoint.selector is None

@@ -93,6 +93,8 @@ _BROKEN_DELAY_S = 0.05
 _WRITE_BUDGET = 8 << 20
 #: seconds a closing receiver waits for room to write its last acks and goodbye
 _GOODBYE_S = 1.0
+#: seconds close() waits for the I/O thread to end (one stuck longer closes its own descriptors)
+_JOIN_S = 30.0
 
 
 class Kind:
@@ -270,6 +272,9 @@ class _Loop:
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        #: guards the hand-over of the selector and pipe to an I/O thread that outlived ``_teardown``
+        self._handover = threading.Lock()
+        self._ended = self._orphaned = False
 
     def _live_selector(self) -> selectors.BaseSelector:
         """The selector, from ``_setup`` to ``_teardown``: while the I/O thread runs."""
@@ -278,7 +283,7 @@ class _Loop:
         return selector
 
     def _begin(self, name: str) -> None:
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._thread, name=name, daemon=True)
         self.thread.start()
         forked.watch(self)  # a forked child closes its copies of the descriptors
 
@@ -301,18 +306,40 @@ class _Loop:
             os.close(self.wake_r)
             os.close(self.wake_w)
 
+    def _thread(self) -> None:
+        """The I/O thread: ``_run``, then the selector and pipe closed if ``_teardown`` left them to it."""
+        try:
+            self._run()
+        finally:
+            with self._handover:
+                self._ended = True
+                if self._orphaned:
+                    self._close_loop()
+
     def _teardown(self) -> None:
-        """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made)."""
+        """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made).
+        A thread still running after 30 s (stuck in a plugin's call) closes them itself when it
+        ends: closed under it, their numbers could be another file's by the time it wrote to them."""
         if self.selector is None:
             return
         self._kick()
-        if self.thread is not None:
-            self.thread.join(30.0)
-        self.thread = None
-        self.selector.close()
-        self.selector = None
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.join(_JOIN_S)
+            with self._handover:
+                if not self._ended:
+                    self._orphaned = True
+                    log.warning("%s: the I/O thread is still running 30 s after close() (stuck in a call of the "
+                                "plugin's?); it closes its descriptors when it ends", getattr(self, "what", self))
+                    return
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        selector, self.selector = self.selector, None
+        if selector is not None:
+            selector.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
 
     def _kick(self) -> None:
         """Make the I/O thread look at its queues now."""
