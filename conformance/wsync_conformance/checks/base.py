@@ -140,15 +140,10 @@ class SuiteBase:
             ctx.close()
 
 
-def contest_index(wsync: Context, s: Any, stray: harness.Worker, who: str, guarantee: str) -> None:
-    """``stray``, opened under worker 0's index of session ``s`` (one worker, connected), connects
-    while that worker holds the index; then three versions are sent, both following. Raise a
-    violation of ``guarantee`` naming ``who`` unless every send reaches the holder, it holds
-    version 3, and the stray, if its connect() succeeded, applied nothing and was told (its
-    receive() raised)."""
-    first = s.workers[0]
-    joined = stray.call("connect", timeout=wsync.short_timeout)
-    claims = [first] if joined.error else [first, stray]
+def send_three(wsync: Context, s: Any, claims: list[harness.Worker], guarantee: str, what: str) -> list[harness.Reply]:
+    """Send versions 1, 2 and 3 of session ``s`` while each of ``claims`` follows (receives in a
+    loop); the followers' reports of the last. A send that times out is a violation of
+    ``guarantee``, ``what`` saying what was going on."""
     reports: list[harness.Reply] = []
     for v in (1, 2, 3):
         fill_version(s.model, v)
@@ -158,12 +153,25 @@ def contest_index(wsync: Context, s: Any, stray: harness.Worker, who: str, guara
         try:
             got = s.scheme.send(timeout=wsync.timeout)
         except WorkerTimeoutError as exc:
-            raise violated(guarantee, f"{who} claimed worker 0's index (its connect() gave "
-                                      f"{joined.error or 'success'}): version {v} did not reach the worker holding "
-                                      f"it within {wsync.timeout} s: {exc}") from None
+            raise violated(guarantee, f"{what}: version {v} did not reach the worker holding it within "
+                                      f"{wsync.timeout} s: {exc}") from None
         finally:
             reports = [w.stop() for w in claims]
         s.expected[got] = expected
+    return reports
+
+
+def contest_index(wsync: Context, s: Any, stray: harness.Worker, who: str, guarantee: str) -> None:
+    """``stray``, opened under worker 0's index of session ``s`` (one worker, connected), connects
+    while that worker holds the index; then three versions are sent, both following. Raise a
+    violation of ``guarantee`` naming ``who`` unless every send reaches the holder, it holds
+    version 3, and the stray, if its connect() succeeded, applied nothing and was told (its
+    receive() raised)."""
+    first = s.workers[0]
+    joined = stray.call("connect", timeout=wsync.short_timeout)
+    claims = [first] if joined.error else [first, stray]
+    reports = send_three(wsync, s, claims, guarantee,
+                         f"{who} claimed worker 0's index (its connect() gave {joined.error or 'success'})")
     holding = first.snapshot()
     if holding["version"] != 3 or holding["digests"] != s.expected[3]:
         raise violated(guarantee, f"{who} claimed worker 0's index: the worker holding it does not hold version 3 "

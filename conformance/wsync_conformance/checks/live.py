@@ -12,7 +12,7 @@ from wsync_core import StateError, WeightSyncScheme, WorkerTimeoutError, WsyncEr
 from ..context import Context, send_expect_timeout
 from ..guarantees import capability, guarantee, violated
 from ..models import build, digests, fill_version, many_spec, random_values, version_spec
-from .base import SLACK_S, budget, contest_index, expect_connect_refused
+from .base import SLACK_S, budget, contest_index, expect_connect_refused, send_three
 
 __all__ = ["LiveChecks"]
 
@@ -275,19 +275,7 @@ class LiveChecks:
         second.open(s.scheme, s.spec, wsync.device, 0)
         joined = second.call("connect", timeout=wsync.short_timeout)
         claims = [first] if joined.error else [first, second]
-        for v in (1, 2, 3):
-            fill_version(s.model, v)
-            expected = digests(s.model)
-            for w in claims:
-                w.follow()
-            try:
-                got = s.scheme.send(timeout=wsync.timeout)
-            except WorkerTimeoutError as exc:
-                raise violated("live", f"with two receivers claiming worker 0, version {v} reached neither "
-                                       f"within {wsync.timeout} s: {exc}") from None
-            finally:
-                reports = [w.stop() for w in claims]
-            s.expected[got] = expected
+        reports = send_three(wsync, s, claims, "live", "with two receivers claiming worker 0")
         told = [not r.get("applied") and bool(r.get("errors")) for r in reports]
         holding = [w.snapshot() for w in claims]
         held = [h["version"] == 3 and h["digests"] == s.expected[3] for h in holding]
