@@ -66,7 +66,7 @@ class EndpointBase:
         with self.cond:
             if self._state == "open":
                 raise TransportError(f"{self.what} is already open")
-            self._state, self._woken = "open", False
+            self._state = "open"  # (a wake() before it stands: the scheme is shutting down)
         try:
             self.start(deadline)
         except BaseException:

@@ -35,6 +35,7 @@ import ipaddress
 import math
 import numbers
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -60,6 +61,7 @@ __all__ = [
     "Transport",
     "free_port",
     "is_loopback",
+    "wait_listening",
     "check_options",
     "parse_options",
     "parse_value",
@@ -476,6 +478,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def wait_listening(host: str, port: int, deadline: Deadline, woken: Callable[[], bool]) -> bool:
+    """Wait until something accepts TCP connections at ``host:port``: True; False as soon as
+    ``woken()`` says the scheme is shutting down. Raises TimeoutError naming the last failure at
+    the deadline. Each try is a plain connect, closed at once, a few times a second: a client
+    that blocks in C (torch's TCPStore) is started only once its server is there, so it never
+    outlives the deadline with its own retries nor a ``shutdown()`` from another thread."""
+    delay = 0.01
+    while True:
+        if woken():
+            return False
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=max(min(deadline.remaining(), 1.0), 0.05)):
+                return True
+        except OSError as exc:
+            if deadline.expired():
+                raise TimeoutError(f"nothing accepts connections at {host}:{port} ({exc})") from None
+        if woken():
+            return False
+        time.sleep(deadline.slice(delay))
+        delay = min(2 * delay, 0.1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from wsync_core import Buffer, Delivery, ReceiverContext, SenderContext, TransportError
-from wsync_core.inproc import InprocTransport, _Receiver, _Sender
+from wsync_core.inproc import InprocTransport, _Channel, _Receiver, _Sender
 from wsync_core.transport import Joined, Left
 
 __all__ = ["BROKEN", "SELECT", "FlippedByte", "DroppedAck", "HalfPayload", "OldVersion", "RenumberedHeader", "WrongWorker", "LeakedThread",
@@ -819,6 +819,21 @@ class _IndexUnchecked(_Receiver):
         return None
 
 
+class _DeafDial(_Receiver):
+    """Waits in open() until its channel has a sender, a few times a second, deaf to wake(): a
+    worker started before its trainer cannot be shut down from another thread until its timeout."""
+
+    def open(self, deadline) -> None:
+        give_up = time.monotonic() + 42.0  # (deaf for as long as the check waits, then done: a quick close)
+        channel = _Channel.attach(self.name)
+        try:
+            while not channel.sender and not deadline.expired() and time.monotonic() < give_up:
+                time.sleep(deadline.slice(0.05))
+        finally:
+            channel.detach_if_unused()
+        super().open(deadline)
+
+
 class _EndAfterPublish(_Sender):
     """A worker's Left found by a publish (the new connection met first, the old one's end after
     it, as zmq's sender matched ends by descriptor) is reported after its new Joined; with only
@@ -864,6 +879,8 @@ DropsOnFailedWrite = _tooth("DropsOnFailedWrite", "live", "test_endpoint_ack_the
 IndexUnchecked = _tooth("IndexUnchecked", "live", "test_live_worker_index_out_of_range_is_told",
                         receiver=_IndexUnchecked)
 DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
+DeafDial = _tooth("DeafDial", "live", "test_live_shutdown_from_another_thread_ends_connect_with_no_sender",
+                  receiver=_DeafDial)
 
 try:  # the network teeth build on contrib/wsync-tcp (a byte stream over TCP, multi_host)
     from wsync_tcp import TcpTransport

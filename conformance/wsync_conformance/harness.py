@@ -392,27 +392,31 @@ def _fill(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
     return {"digests": digests(s.model)}
 
 
-def _shutdown_while_receiving(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
-    """``receive(timeout=wait)`` in a second thread, ``shutdown()`` from this one ``after`` seconds
-    later; reports how the receive ended and how long each took."""
+def _shutdown_while_waiting(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
+    """``receive(timeout=wait)`` (or ``connect``, as ``call`` says) in a second thread,
+    ``shutdown()`` from this one ``after`` seconds later; reports how the call ended and how long
+    each took, waiting ``patience`` seconds at most for the call to end."""
     import time
 
     out: dict[str, Any] = {}
+    call = getattr(s.scheme, msg.get("call", "receive"))
 
     def wait() -> None:
         try:
-            out["result"] = s.scheme.receive(timeout=msg["wait"])
+            out["result"] = call(timeout=msg["wait"])
         except Exception as exc:  # reported to the parent, which decides
             out.update(error=type(exc).__name__, message=str(exc))
         out["ended"] = time.monotonic()
 
-    thread = threading.Thread(target=wait, name="wsync-conformance-blocked-receive", daemon=True)
+    thread = threading.Thread(target=wait, name="wsync-conformance-blocked-call", daemon=True)
     thread.start()
     time.sleep(msg["after"])
     t0 = time.monotonic()
-    s.scheme.shutdown()
-    shutdown_s = time.monotonic() - t0
-    thread.join(msg["wait"] + 60)
+    closer = threading.Thread(target=s.scheme.shutdown, name="wsync-conformance-shutdown", daemon=True)
+    closer.start()
+    closer.join(msg.get("patience", msg["wait"] + 60))
+    shutdown_s = time.monotonic() - t0 if not closer.is_alive() else None
+    thread.join(msg.get("patience", msg["wait"] + 60))
     return {"result": out.get("result"), "error": None, "receive_error": out.get("error"),
             "message": out.get("message"), "shutdown_s": shutdown_s,
             "ended_after_s": out["ended"] - t0 if "ended" in out else None}
@@ -516,8 +520,8 @@ def serve(conn, process: bool) -> None:
                 from .portable import inspect_pickle
 
                 reply = inspect_pickle(_opened(session).scheme)
-            elif cmd == "shutdown_while_receiving":
-                reply = _shutdown_while_receiving(_opened(session), msg)
+            elif cmd == "shutdown_while_waiting":
+                reply = _shutdown_while_waiting(_opened(session), msg)
             elif cmd == "raw_ack":  # a broken or hostile worker: any bytes, sent as its ack
                 _opened(session).scheme._role.endpoint.ack(base64.b64decode(msg["data"]))
                 reply = {"sent": True}

@@ -13,7 +13,8 @@ from typing import Any
 
 from wsync_core import TransportError, WeightSyncScheme
 
-from . import resources
+from . import harness, resources
+from .checks.base import budget
 from .context import Context, RawSender, Session, expect_serving_after_hostile, raw_receiver
 from .guarantees import guarantee, violated
 from .models import digests, fill_version, version_spec
@@ -227,16 +228,36 @@ class SceneChecks:
         s = wsync.session(version_spec(), n=1)
         fill_version(s.model, 1)
         s.check(s.send())
-        wait = 60.0
-        reply = s.workers[0].request("shutdown_while_receiving", wait + 180.0, wait=wait, after=0.5)
-        reply.raise_for_error("shutdown() while another thread receives")
-        ended = reply.get("ended_after_s")
-        if ended is None or ended > _SLACK_S:
-            raise violated("live", f"receive(timeout={wait:g}) in another thread ended "
-                                   f"{'never' if ended is None else f'{ended:.1f} s'} after shutdown() "
-                                   f"(shutdown took {reply['shutdown_s']:.1f} s): it waited for its timeout")
-        if reply.get("receive_error") != "StateError":
-            raise violated("live", f"receive() ended by shutdown() from another thread gave "
-                                   f"{reply.get('receive_error') or reply.get('result')}, expected StateError")
-        if reply["shutdown_s"] > _SLACK_S:
-            raise violated("live", f"shutdown() took {reply['shutdown_s']:.1f} s while another thread received")
+        _shutdown_ends(s.workers[0], "receive", 60.0)
+
+    @guarantee("live")
+    @budget(seconds=2 * _SLACK_S)  # (what a deaf transport makes it wait before it can say so)
+    def test_live_shutdown_from_another_thread_ends_connect_with_no_sender(self, wsync: Context) -> None:
+        """shutdown() called while another thread waits in connect(timeout=3600) for a sender that
+        is not there yet (a worker started before its trainer, stopped by its supervisor) ends that
+        wait at once: connect() raises StateError, and shutdown() does not wait for the timeout. A
+        transport that dials its sender in a loop, or in one blocking call, deaf to ``wake()``,
+        leaves both calls waiting out the timeout, or for ever."""
+        s = wsync.session(version_spec(), n=1, connect=False)
+        _shutdown_ends(s.workers[0], "connect", 3600.0)
+
+
+def _shutdown_ends(worker: harness.Worker, call: str, wait: float) -> None:
+    """Raise a live violation unless ``shutdown()`` in ``worker``, half a second into its
+    ``call(timeout=wait)`` in another thread, ends that call with StateError and returns, both
+    within the slack."""
+    reply = worker.request("shutdown_while_waiting", 3 * _SLACK_S + 120.0, call=call, wait=wait, after=0.5,
+                           patience=_SLACK_S)
+    reply.raise_for_error(f"shutdown() while another thread waits in {call}()")
+    ended, took = reply.get("ended_after_s"), reply.get("shutdown_s")
+    if ended is None or ended > _SLACK_S:
+        raise violated("live", f"{call}(timeout={wait:g}) in another thread ended "
+                               f"{'never' if ended is None else f'{ended:.1f} s'} after shutdown() (shutdown "
+                               f"{'never returned' if took is None else f'took {took:.1f} s'}): it waited for its "
+                               f"timeout")
+    if reply.get("receive_error") != "StateError":
+        raise violated("live", f"{call}() ended by shutdown() from another thread gave "
+                               f"{reply.get('receive_error') or reply.get('result')}, expected StateError")
+    if took is None or took > _SLACK_S:
+        raise violated("live", f"shutdown() took {'for ever' if took is None else f'{took:.1f} s'} while another "
+                               f"thread waited in {call}()")

@@ -432,6 +432,8 @@ class RayReceiver(ReceiverEndpoint):
                 mailbox = ray.get_actor(self.channel, namespace=self.namespace)
                 break
             except ValueError:
+                if self.woken.is_set():  # shutting down: recv returns None, the core's connect() raises StateError
+                    return
                 if deadline.expired():
                     raise WorkerTimeoutError(f"no ray sender on channel {self.channel!r} (namespace "
                                              f"{self.namespace!r}) by the deadline", [self.worker]) from None

@@ -35,8 +35,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from wsync_core import Deadline, Delivery, ReceiverContext, TransportError
+from wsync_core import Deadline, Delivery, ReceiverContext, TransportError, WorkerTimeoutError
 from wsync_core.endpoints import ReceiverBase
+from wsync_core.transport import wait_listening
 
 from . import wire
 from .config import Config
@@ -86,6 +87,13 @@ class DistributedReceiver(ReceiverBase):
 
     # -- the core's calls ------------------------------------------------------------------
     def start(self, deadline: Deadline) -> None:
+        try:
+            if not wait_listening(self.cfg.host, self.cfg.port, deadline, lambda: self._woken):
+                return  # shutting down: recv returns None, the core's connect() raises StateError
+        except TimeoutError as exc:
+            raise WorkerTimeoutError(f"{self.what}: no sender store at {self.cfg.host}:{self.cfg.port} within "
+                                     f"{deadline.timeout:g} s (is the sender connecting with the same host and "
+                                     f"port?): {exc}", []) from None
         self.store = self._connect(deadline)
         try:
             self.asker = self._clone()

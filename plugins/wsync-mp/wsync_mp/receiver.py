@@ -109,6 +109,8 @@ class MpReceiver(ReceiverEndpoint):
     # -- ReceiverEndpoint --------------------------------------------------------------------
     def open(self, deadline: Deadline) -> None:
         self.sock = self._connect(deadline)
+        if self.sock is None:  # woken while it looked for its sender: recv returns None
+            return
         forked.watch(self)
         try:
             self._handshake(deadline)
@@ -127,6 +129,8 @@ class MpReceiver(ReceiverEndpoint):
         waited when called, first probe and wait for the answer, so what this returns is never older
         than what the sender published before the call. Raises TransportError once the connection
         failed and nothing is left to deliver."""
+        if self.sock is None and self.wakeup.is_set:  # woken while it looked for its sender
+            return None
         if self.sock is None:
             raise TransportError(f"worker {self.worker}: the mp receiver is closed")
         if self.idle_recvs >= 1:  # a delivery was taken two calls ago and no ack followed: send what is held
@@ -273,9 +277,13 @@ class MpReceiver(ReceiverEndpoint):
         self._live_selector().register(sock, selectors.EVENT_READ)
         return True
 
-    def _connect(self, deadline: Deadline) -> socket.socket:
+    def _connect(self, deadline: Deadline) -> socket.socket | None:
+        """A socket connected to the sender's address, trying until ``deadline``; None once woken
+        (the scheme is shutting down). Raises WorkerTimeoutError at the deadline."""
         addr = sockaddr(self.address)
         while True:
+            if self.wakeup.is_set:
+                return None
             sock = make_socket()
             try:
                 sock.connect(addr)

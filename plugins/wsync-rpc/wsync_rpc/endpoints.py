@@ -43,10 +43,12 @@ from wsync_core import (
     SenderBase,
     SenderContext,
     TransportError,
+    WorkerTimeoutError,
 )
 from wsync_core import forked
 from wsync_core.forked import close_inherited
 from wsync_core.protocol import MAX_ACK_BYTES, MAX_HEADER_BYTES
+from wsync_core.transport import wait_listening
 
 __all__ = ["RpcSender", "RpcReceiver", "SENDER", "worker_name"]
 
@@ -461,6 +463,14 @@ class RpcReceiver(ReceiverBase):
         self.last_ack: torch.futures.Future | None = None
 
     def start(self, deadline: Deadline) -> None:
+        host, port = self.options["host"], self.options["port"]
+        try:
+            if not wait_listening(host, port, deadline, lambda: self._woken):
+                return  # shutting down: recv returns None, the core's connect() raises StateError
+        except TimeoutError as exc:
+            raise WorkerTimeoutError(f"rpc: {worker_name(self.worker)} found no sender at {host}:{port} within "
+                                     f"{deadline.timeout:g} s (is the sender connecting with the same host and "
+                                     f"port?): {exc}", []) from None
         self.agent = _Agent(self, self.options, worker_name(self.worker), self.worker + 1, deadline)
         self.agent.start(deadline.remaining())
         try:

@@ -441,6 +441,8 @@ class _Receiver(ReceiverEndpoint):
 
     def open(self, deadline: Deadline) -> None:
         while (sock := self._dial()) is None:
+            if self._wakeup.is_set:  # shutting down: recv returns None, the core's connect() raises StateError
+                return
             if deadline.expired():
                 raise WorkerTimeoutError(
                     f"worker {self._worker} found no shm sender named {self._name!r} within "
@@ -495,6 +497,8 @@ class _Receiver(ReceiverEndpoint):
 
     def recv(self, deadline: Deadline) -> Delivery | None:
         selector = self._selector
+        if self._sock is None and self._wakeup.is_set:  # woken while it looked for its sender
+            return None
         if self._sock is None or selector is None:  # (open sets both, closing clears both)
             raise TransportError(f"worker {self._worker}: the shm receiver is closed")
         # a poll while the delivery just returned is still held, whose read emptied the socket (the
