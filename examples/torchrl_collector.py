@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     net = GaussianPolicy()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action", "policy_version"])
     optim = torch.optim.Adam(net.mean.parameters(), lr=3e-3)
+    scheme = WsyncScheme(args.transport)
     collector = MultiSyncCollector([Pendulum] * 2, policy, frames_per_batch=400, total_frames=400 * args.iters,
-                                   weight_sync_schemes={"policy": WsyncScheme(args.transport)})
+                                   weight_sync_schemes={"policy": scheme})
     t0 = time.monotonic()
     try:
         for i, batch in enumerate(collector):
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"collected with version {versions[0]}, sent version {net.version.item()}")
     finally:
         collector.shutdown()
+        scheme.shutdown()  # TorchRL's shutdown() leaves schemes open
     print(f"done in {time.monotonic() - t0:.1f} s")
 
 

@@ -1206,3 +1206,23 @@ def test_done_collects_the_acks_itself(cluster):
         assert time.monotonic() < deadline, "done() never saw the worker's ack"
         time.sleep(0.005)
     assert c.receivers[0].scheme.version == 1
+
+
+@pytest.mark.parametrize("model_id, error", [("", ValueError), ("x" * 257, ValueError), (5, TypeError),
+                                             (None, TypeError)])
+def test_a_model_id_that_is_not_a_name_is_refused_at_init(model_id, error):
+    """An empty or non-string model_id was taken, then every version refused (an empty one on the
+    sender fell back to "policy" on its workers; an int read as a damaged header): now init_on_sender
+    and init_on_receiver refuse it by name, and the scheme stays usable."""
+    sender = WeightSyncScheme("inproc", timeout=10.0)
+    with pytest.raises(error, match="model_id"):
+        sender.init_on_sender(model=make_policy(0), num_workers=1, model_id=model_id)
+    sender.init_on_sender(model=make_policy(0), num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
+    if model_id is not None:  # (None on a receiver: the sender's)
+        with pytest.raises(error, match="model_id"):
+            receiver.init_on_receiver(model=make_policy(1), worker_idx=0, model_id=model_id)
+    receiver.init_on_receiver(model=make_policy(1), worker_idx=0)
+    assert receiver.model_id == sender.model_id == "policy"
+    sender.shutdown()
+    receiver.shutdown()

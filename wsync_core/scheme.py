@@ -307,6 +307,7 @@ class WeightSyncScheme:
             self._expect(_State.NEW, "init_on_sender")
             if (model is None) == (weights is None):
                 raise ValueError("init_on_sender() needs exactly one of model= or weights=")
+            _check_model_id(model_id, "init_on_sender()")
             self._role = Sender(self._transport, model if model is not None else weights, num_workers=num_workers,
                                 model_id=model_id, strategy=self.strategy, lock=self._lock,
                                 delta=self._config.get("delta", False), delta_bases=self._config.get("delta_bases", 2),
@@ -381,8 +382,11 @@ class WeightSyncScheme:
         self._adopt_fork()
         with self._lock:
             self._expect(_State.NEW, "init_on_receiver")
+            if model_id is not None:
+                _check_model_id(model_id, "init_on_receiver()")
             self._role = Receiver(self._transport, model, worker_idx=worker_idx,
-                                  model_id=model_id or self.model_id, strategy=self.strategy, lock=self._lock,
+                                  model_id=self.model_id if model_id is None else model_id, strategy=self.strategy,
+                                  lock=self._lock,
                                   origin=self._config.get("origin"))
             self._state = _State.RECEIVER
 
@@ -509,6 +513,19 @@ class WeightSyncScheme:
                 self._last_version = role.version
             self._role = None
             self._state = _State.CLOSED
+
+
+#: the longest model_id a header carries
+_MAX_MODEL_ID = 256
+
+
+def _check_model_id(model_id: Any, call: str) -> None:
+    """Raise TypeError unless ``model_id`` is a string, ValueError unless it has 1 to 256
+    characters: every header carries it, and a receiver compares it with its own."""
+    if not isinstance(model_id, str):
+        raise TypeError(f"{call}: model_id must be a str, got {type(model_id).__name__} {model_id!r:.60}")
+    if not 0 < len(model_id) <= _MAX_MODEL_ID:
+        raise ValueError(f"{call}: model_id must have 1 to {_MAX_MODEL_ID} characters, got {model_id!r:.60}")
 
 
 def _check_callable(value: Any, call: str, want: str) -> None:

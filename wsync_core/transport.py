@@ -361,7 +361,10 @@ def check_interface(cls: type[Transport]) -> None:
 
 
 def parse_value(text: str) -> Any:
-    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string."""
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string;
+    quoted (``'12345'`` or ``"12345"``), the string inside the quotes, whatever it reads as."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
     low = text.strip().lower()
     if low in ("true", "yes", "on"):
         return True

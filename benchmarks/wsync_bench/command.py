@@ -35,6 +35,10 @@ def _main(args: argparse.Namespace) -> int:
         if args.device != "cpu":
             print("wsync bench: --delta times CPU models only", file=sys.stderr)
             return 2
+        if not 0.0 <= args.changed <= 1.0:
+            print(f"wsync bench: --changed is the share of elements changed per step, in [0, 1]; got {args.changed:g}",
+                  file=sys.stderr)
+            return 2
         return delta_main(args)
     return main(args)
 

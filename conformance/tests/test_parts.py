@@ -30,6 +30,9 @@ def test_parse_options() -> None:
         "a": 1, "b": 0.5, "c": True, "d": None, "e": "loopback", "f": "x=y"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_options(["novalue"])
+    # quoted: the string inside, whatever it reads as (a numeric authkey or shm name)
+    assert parse_options(["authkey='12345'", 'name="true"', "q='", "r=''"]) == {
+        "authkey": "12345", "name": "true", "q": "'", "r": ""}
 
 
 def test_a_timeout_must_be_seconds_above_zero_and_an_unknown_option_is_named() -> None:

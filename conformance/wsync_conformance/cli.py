@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from . import profiles
 from .target import seconds
 
 __all__ = ["main", "build_parser", "add_arguments", "pytest_args", "run_suite"]
@@ -150,7 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="transport: entry-point name or module:Class")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--profile", default=None, help="hypothesis profile: ci (default) or thorough")
+    p.add_argument("--profile", default=None, choices=sorted(profiles.PROFILES),
+                   help="hypothesis profile: ci (default) or thorough")
     p.add_argument("--thorough", action="store_true", help="the longer run: thorough profile, thorough-only tests")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("-g", "--guarantee", action="append", default=[], help="only these guarantees (repeatable)")
