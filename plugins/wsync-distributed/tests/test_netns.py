@@ -51,8 +51,9 @@ def test_receiver_in_another_namespace(hosts, workers):
 def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request, size):
     """Worker 1's link goes down (no reset reaches anyone) right after a send of ``size`` starts:
     that send (or the next, if worker 1 had it already) names worker 1 alone within its timeout,
-    worker 0 holds the version; once the link is back, worker 1 joins again by itself and gets
-    the newest version, and sends to both succeed."""
+    worker 0 holds the version; once the link is back (after 12 s: long enough for worker 1's
+    store clients to fail), worker 1 joins again by itself and gets the newest version, and sends
+    to both succeed (its acks reach the sender again)."""
     if size != "64MiB" and not request.config.getoption("wsync_thorough"):
         pytest.skip("runs only with --thorough")
     variant = f"big{size[:-3]}"
@@ -86,6 +87,9 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
             assert named.workers == [1], named
             assert time.monotonic() - t0 < SEND_TIMEOUT + 10.0
             newest = scheme.version
+            # down long enough for every idle store client of worker 1 to fail (its ack client too,
+            # which was never replaced: acks failed for good, every later send waited out its timeout)
+            time.sleep(max(0.0, t0 + 8 * HEARTBEAT - time.monotonic()))
             b.restore()
             tails[1].applied(newest, 120)  # joined again by itself, got the newest version
             while scheme.version < 4:  # to both

@@ -109,15 +109,23 @@ class DistributedReceiver(ReceiverBase):
                                  f"{wire.brief(exc)}") from exc
 
     def ack(self, data: bytes) -> None:
+        """Push the ack to the sender's events; a client that failed (a link cut, then back: its
+        socket never recovers) is replaced by a new connection, once per call."""
         self.check_open()
-        store = self.store
-        assert store is not None  # (start connected it; stop drops it once the endpoint is closed)
-        try:
-            store.queue_push(wire.EVENTS, wire.encode_event(wire.ACK, self.worker,
-                                                            wire.from_inbox(self.inbox, bytes(data))))
-        except RuntimeError as exc:
-            raise TransportError(f"{self.what}: cannot reach the sender's store at "
-                                 f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
+        event = wire.encode_event(wire.ACK, self.worker, wire.from_inbox(self.inbox, bytes(data)))
+        failure: BaseException | None = None
+        for _ in range(2):
+            try:
+                store = self.store
+                if store is None:
+                    store = self.store = self._connect(Deadline(max(1.0, self.cfg.heartbeat_timeout)))
+                store.queue_push(wire.EVENTS, event)
+                return
+            except (RuntimeError, TransportError) as exc:
+                self.store, failure = None, exc  # the next try, or the next ack, connects again
+        assert failure is not None  # (each try returned or failed)
+        raise TransportError(f"{self.what}: cannot reach the sender's store at {self.cfg.host}:{self.cfg.port}: "
+                             f"{wire.brief(failure)}") from failure
 
     def arriving(self) -> bool:
         """Whether a version is being received, or waits for its commit (``self.cond`` held)."""
