@@ -318,7 +318,7 @@ class _Loop:
 
     def _teardown(self) -> None:
         """Stop the I/O thread and close the selector and the wake-up pipe (what ``_setup`` made).
-        A thread still running after 30 s (stuck in a plugin's call) closes them itself when it
+        A thread still running after ``_JOIN_S`` (stuck in a plugin's call) closes them itself when it
         ends: closed under it, their numbers could be another file's by the time it wrote to them."""
         if self.selector is None:
             return
@@ -329,8 +329,8 @@ class _Loop:
             with self._handover:
                 if not self._ended:
                     self._orphaned = True
-                    log.warning("%s: the I/O thread is still running 30 s after close() (stuck in a call of the "
-                                "plugin's?); it closes its descriptors when it ends", getattr(self, "what", self))
+                    log.warning("%s: the I/O thread is still running %g s after close() (stuck in a call of the "
+                                "plugin's?); it closes its descriptors when it ends", getattr(self, "what", self), _JOIN_S)
                     return
         self._close_loop()
 
