@@ -177,7 +177,16 @@ class DistributedReceiver(ReceiverBase):
         self.store = self.asker = None
 
     def _connect(self, deadline: Deadline) -> dist.Store:
-        """A new client of the sender's store (``wire.connect``) that fails on a dead link."""
+        """A new client of the sender's store (``wire.connect``) that fails on a dead link, started
+        once the store accepts connections (``wait_listening``: a cut link or a sender gone fails
+        by the deadline, quietly, where torch's client would retry past it, printing C++ traces).
+        Raises TransportError if none by the deadline, or once shutting down."""
+        try:
+            if not wait_listening(self.cfg.host, self.cfg.port, deadline, lambda: self._woken or self.stopped.is_set()):
+                raise TransportError(f"{self.what}: shutting down")
+        except TimeoutError as exc:
+            raise TransportError(f"{self.what}: the sender's store at {self.cfg.host}:{self.cfg.port} is out of reach: "
+                                 f"{exc}") from None
         return wire.watched(self.cfg, lambda: wire.connect(self.cfg, deadline))
 
     def _clone(self) -> dist.Store:

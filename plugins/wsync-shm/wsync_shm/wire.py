@@ -1,6 +1,6 @@
 """The control channel: frames (``wsync_core.framing``) over a Unix stream socket. Nothing is pickled.
 
-Receiver -> sender: HELLO(arg: worker), ACK(value: generation taken, body: ack bytes).
+Receiver -> sender: HELLO(arg: worker, body: its scheme's origin), ACK(value: generation taken, body: ack bytes).
 Sender -> receiver: WELCOME(body: token), DELIVER(arg: slot, value: generation, body: header),
 REFUSE(body: reason). Payloads never cross the socket; they stay in the slot files.
 """
