@@ -66,7 +66,7 @@ class SendHandle:
         if sender.lock.acquire(blocking=False):
             try:
                 sender.serve_once()
-                sender.raise_listener_error()
+                sender.raise_deferred()
             finally:
                 sender.lock.release()
         return sender.applied(self.version, self.targets)
@@ -120,7 +120,7 @@ class Sender:
         self.last_report: SendReport | None = None
         self.listeners: list[Callable[[SendReport], None]] = []
         #: the first error a report listener raised, until a call of the user's raises it
-        self._listener_error: Exception | None = None
+        self._deferred: Exception | None = None
         self._latest: tuple[Buffer, Header] | None = None  # what a joiner gets: the buffer as published
         self._acked = {w: -1 for w in range(num_workers)}
         self._joined: set[int] = set()
@@ -192,7 +192,7 @@ class Sender:
         """Snapshot ``weights`` (default: the source) and publish it as the next version (with
         ``keys``: the previous version with those tensors replaced). Raises first the error a
         report listener raised since the last call, if any (nothing is sent then)."""
-        self.raise_listener_error()
+        self.raise_deferred()
         targets = self._targets(worker_ids)
         chosen = self._keys(keys)
         tensors = flatten(self.source if weights is None else weights, self.strategy, detach=False)
@@ -553,20 +553,26 @@ class Sender:
 
     def _notify(self, report: SendReport) -> None:
         """Call the report listeners. An error one raises is kept for the user's call
-        (``raise_listener_error``): the events polled with the report are still handled, and
+        (``raise_deferred``): the events polled with the report are still handled, and
         wsync's service thread, which may be the caller, goes on serving."""
         for listener in self.listeners:
             try:
                 listener(report)
             except Exception as exc:  # raised from the user's call, not from wsync's thread
-                if self._listener_error is None:
-                    self._listener_error = exc
-                else:
-                    self._listener_error.add_note(f"(a report listener then raised {exc!r} too)")
+                self.defer(exc, "a report listener")
 
-    def raise_listener_error(self) -> None:
-        """Raise the first error a report listener raised since this was last called, if any."""
-        exc, self._listener_error = self._listener_error, None
+    def defer(self, exc: Exception, who: str) -> None:
+        """Keep ``exc`` for the user's next call (``raise_deferred``): raised where the user is not
+        (a report listener run by wsync's service thread, or that thread's poll of the transport,
+        whose error a transport may give only once). A second one is added to the first as a note."""
+        if self._deferred is None:
+            self._deferred = exc
+        else:
+            self._deferred.add_note(f"({who} then raised {exc!r} too)")
+
+    def raise_deferred(self) -> None:
+        """Raise the first error kept by ``defer`` since this was last called, if any."""
+        exc, self._deferred = self._deferred, None
         if exc is not None:
             raise exc
 
@@ -614,7 +620,7 @@ class Sender:
         """Wait until every target applied ``version``. Raises the error a worker reported for it,
         or WorkerTimeoutError naming the targets that did not apply it by the deadline, or else the
         error a report listener raised (before the wait, or during it)."""
-        self.raise_listener_error()
+        self.raise_deferred()
         missing, rejected = self.outstanding(version, targets, deadline)
         entry = self._pending.get(version)
         if entry is not None:
@@ -643,7 +649,7 @@ class Sender:
             raise WorkerTimeoutError(
                 f"workers {missing} did not apply version {version} within {deadline.timeout:g} s{detail}{refused}; "
                 f"updated: {updated}", missing)
-        self.raise_listener_error()
+        self.raise_deferred()
 
     def _watch_connect(self, watch: Callable[[list[int]], Mapping[int, str]], deadline: Deadline) -> None:
         """Wait for version 0's acks in short slices, asking ``watch`` about the missing workers
@@ -715,9 +721,10 @@ def _serve(ref: weakref.ref[Sender], stop: threading.Event) -> None:
             try:
                 sender.serve_once()
                 last_error = ""
-            except WsyncError as exc:  # the next call on the scheme raises it; say it once here
+            except WsyncError as exc:  # the next call on the scheme raises it (a transport may say it once)
                 if str(exc) != last_error:
                     log.warning("sender service: %s", exc)
+                    sender.defer(exc, "the service thread's poll")
                 last_error = str(exc)
             finally:
                 sender.lock.release()

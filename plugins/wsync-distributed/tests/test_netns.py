@@ -51,7 +51,7 @@ def test_receiver_in_another_namespace(hosts, workers):
 def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request, size):
     """Worker 1's link goes down (no reset reaches anyone) right after a send of ``size`` starts:
     that send (or the next, if worker 1 had it already) names worker 1 alone within its timeout,
-    worker 0 holds the version; once the link is back (after 12 s: long enough for worker 1's
+    worker 0 holds the version; once the link is back (after 9 s: long enough for worker 1's
     store clients to fail), worker 1 joins again by itself and gets the newest version, and sends
     to both succeed (its acks reach the sender again)."""
     if size != "64MiB" and not request.config.getoption("wsync_thorough"):
@@ -89,7 +89,7 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
             newest = scheme.version
             # down long enough for every idle store client of worker 1 to fail (its ack client too,
             # which was never replaced: acks failed for good, every later send waited out its timeout)
-            time.sleep(max(0.0, t0 + 8 * HEARTBEAT - time.monotonic()))
+            time.sleep(max(0.0, t0 + 6 * HEARTBEAT - time.monotonic()))
             b.restore()
             tails[1].applied(newest, 120)  # joined again by itself, got the newest version
             while scheme.version < 4:  # to both
