@@ -1075,6 +1075,16 @@ def test_a_wait_for_a_slow_worker_lets_another_threads_send_async_and_done_in(tr
         sender.shutdown()
 
 
+def assert_still_served(sender: WeightSyncScheme, model: nn.Module, receiver: WeightSyncScheme,
+                        local: nn.Module) -> None:
+    """Versions 1 and 2 reach ``receiver`` (the worker that holds index 0), each exact."""
+    for version in (1, 2):
+        bump(model)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30.0) == version and handle.wait(timeout=30.0) == version
+        assert same(model, local)
+
+
 @pytest.mark.parametrize("transport", ["mp", "shm", "tcp", "unix", "zmq", "distributed"])
 def test_a_worker_of_another_trainers_scheme_at_the_same_address_is_refused_and_takes_no_index(transport):
     """Two jobs at one address: a worker pickled from job B's trainer reaches job A's sender (B's
@@ -1092,11 +1102,7 @@ def test_a_worker_of_another_trainers_scheme_at_the_same_address_is_refused_and_
         with pytest.raises(TransportError, match=r"another trainer's scheme|already connected"):
             stray.connect(timeout=30.0)
         assert all(torch.equal(stray_model.state_dict()[k], v) for k, v in before.items())
-        for version in (1, 2):
-            bump(model)
-            handle = sender.send_async()
-            assert receiver.receive(timeout=30.0) == version and handle.wait(timeout=30.0) == version
-            assert same(model, local)
+        assert_still_served(sender, model, receiver, local)
     finally:
         stray.shutdown()
         other.shutdown()
@@ -1149,11 +1155,7 @@ def test_a_worker_of_another_model_given_this_schemes_options_does_not_push_out_
         with pytest.raises(TransportError, match=r"held by a worker whose model fits this sender's, and this one's "
                                                  r"does not|already connected"):
             stray.connect(timeout=10.0)
-        for version in (1, 2):
-            bump(model)
-            handle = sender.send_async()
-            assert receiver.receive(timeout=30.0) == version and handle.wait(timeout=30.0) == version
-            assert same(model, local)
+        assert_still_served(sender, model, receiver, local)
     finally:
         stray.shutdown()
         receiver.shutdown()

@@ -417,7 +417,7 @@ def _shutdown_while_waiting(s: _Session, msg: dict[str, Any]) -> dict[str, Any]:
     closer.join(msg.get("patience", msg["wait"] + 60))
     shutdown_s = time.monotonic() - t0 if not closer.is_alive() else None
     thread.join(msg.get("patience", msg["wait"] + 60))
-    return {"result": out.get("result"), "error": None, "receive_error": out.get("error"),
+    return {"result": out.get("result"), "error": None, "call_error": out.get("error"),
             "message": out.get("message"), "shutdown_s": shutdown_s,
             "ended_after_s": out["ended"] - t0 if "ended" in out else None}
 

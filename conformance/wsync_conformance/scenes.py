@@ -255,9 +255,9 @@ def _shutdown_ends(worker: harness.Worker, call: str, wait: float) -> None:
                                f"{'never' if ended is None else f'{ended:.1f} s'} after shutdown() (shutdown "
                                f"{'never returned' if took is None else f'took {took:.1f} s'}): it waited for its "
                                f"timeout")
-    if reply.get("receive_error") != "StateError":
+    if reply.get("call_error") != "StateError":
         raise violated("live", f"{call}() ended by shutdown() from another thread gave "
-                               f"{reply.get('receive_error') or reply.get('result')}, expected StateError")
+                               f"{reply.get('call_error') or reply.get('result')}, expected StateError")
     if took is None or took > _SLACK_S:
         raise violated("live", f"shutdown() took {'for ever' if took is None else f'{took:.1f} s'} while another "
                                f"thread waited in {call}()")

@@ -94,7 +94,7 @@ class DistributedReceiver(ReceiverBase):
             raise WorkerTimeoutError(f"{self.what}: no sender store at {self.cfg.host}:{self.cfg.port} within "
                                      f"{deadline.timeout:g} s (is the sender connecting with the same host and "
                                      f"port?): {exc}", []) from None
-        self.store = self._connect(deadline)
+        self.store = self._client(deadline)  # (the store listens: no second wait)
         try:
             self.asker = self._clone()
             self.store.add(wire.heartbeat_key(self.worker), 1)
@@ -187,6 +187,10 @@ class DistributedReceiver(ReceiverBase):
         except TimeoutError as exc:
             raise TransportError(f"{self.what}: the sender's store at {self.cfg.host}:{self.cfg.port} is out of reach: "
                                  f"{exc}") from None
+        return self._client(deadline)
+
+    def _client(self, deadline: Deadline) -> dist.Store:
+        """A new client of the sender's store (``wire.connect``) that fails on a dead link."""
         return wire.watched(self.cfg, lambda: wire.connect(self.cfg, deadline))
 
     def _clone(self) -> dist.Store:
