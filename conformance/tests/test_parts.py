@@ -1,8 +1,9 @@
 """The suite's own parts: option parsing, version classification, models, pickle inspection,
-the runner pool, network namespaces."""
+the runner pool, network namespaces, the watchdog."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import subprocess
@@ -200,3 +201,42 @@ def test_a_runner_of_a_trusted_runtime_keeps_only_the_runtimes_listeners(monkeyp
         if w in harness._pool["spawn"]:
             harness._pool["spawn"].remove(w)
         w.kill()
+
+
+_HANG_IN_TEARDOWN = '''
+import time
+
+import pytest
+from wsync_conformance import TransportSuite
+
+
+class TestHang(TransportSuite):
+    transport = "inproc"
+    timeout = 1.0
+
+    @pytest.fixture
+    def stuck(self):
+        yield
+        time.sleep(60)  # interrupted by the watchdog's Hung, a BaseException
+
+    def test_hangs_in_teardown(self, stuck) -> None:
+        pass
+
+    def test_runs_after_the_hang(self) -> None:
+        time.sleep(8)  # longer than the watchdog's grace: a watchdog left running ends the process
+'''
+
+
+def test_a_hang_in_a_fixtures_teardown_stops_the_watchdog_with_the_test(tmp_path: Path) -> None:
+    """A Hung raised in one fixture's teardown makes pytest skip the finalizers after it, the
+    budget's own among them: the watchdog still stops when the test's teardown ends, so the next
+    test runs to its end instead of the process ending with the hung status."""
+    (tmp_path / "test_hang.py").write_text(_HANG_IN_TEARDOWN)
+    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="2", WSYNC_CONFORMANCE_GRACE="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
+                           "-k", "hangs_in_teardown or runs_after_the_hang"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "ERROR test_hang.py::TestHang::test_hangs_in_teardown" in out and "ran past its budget" in out, out[-4000:]
+    assert "PASSED test_hang.py::TestHang::test_runs_after_the_hang" in out, out[-4000:]

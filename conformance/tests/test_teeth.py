@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from wsync_conformance.watchdog import HUNG_EXIT_STATUS
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("wsync_broken", HERE / "wsync_broken.py")
@@ -69,17 +70,33 @@ def _batch_module(names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _batch_command(where: Path, names: list[str], skip: list[str]) -> list[str]:
+    """pytest on ``where``'s batch module: each class's selected tests, but those in ``skip``."""
+    keyword = " or ".join(f"(Test{n}Suite and ({broken.SELECT[n]}))" for n in names)
+    return [sys.executable, "-m", "pytest", "test_batch.py", "-q", "--tb=short", "-p", "no:cacheprovider", "-k",
+            keyword, f"--wsync-results={where / 'results.jsonl'}", *(f"--deselect={n}" for n in skip)]
+
+
+def _batch_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _batch_results(path: Path, names: list[str]) -> dict[str, dict]:
-    """Each class's outcomes (``--wsync-results`` lines) by guarantee."""
+    """Each class's outcomes (``--wsync-results`` lines) by guarantee; a test that hung past
+    every interruption (its process ended by the watchdog) failed under live."""
     from wsync_conformance.report import Collector, Outcome
 
     collectors = {name: Collector() for name in names}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        rec = json.loads(line)
-        if "nodeid" in rec:
-            name = rec["nodeid"].split("::")[1].removeprefix("Test").removesuffix("Suite")
-            collectors[name].outcomes[rec["nodeid"]] = Outcome(rec["test"], rec["status"], rec["reason"],
-                                                               rec["guarantees"], rec["capabilities"])
+    for rec in _batch_records(path):
+        nodeid = rec.get("nodeid") or rec.get("hung")
+        if nodeid is None:
+            continue
+        name = nodeid.split("::")[1].removeprefix("Test").removesuffix("Suite")
+        if "hung" in rec:
+            outcome = Outcome(nodeid.split("::")[-1], "failed", f"Hung: {rec['message']}", ["live"])
+        else:
+            outcome = Outcome(rec["test"], rec["status"], rec["reason"], rec["guarantees"], rec["capabilities"])
+        collectors[name].outcomes.setdefault(nodeid, outcome)
     return {name: c.by_guarantee() for name, c in collectors.items()}
 
 
@@ -100,12 +117,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     for batched in (rest[0::2], rest[1::2]):
         where = tmp_path_factory.mktemp("batch")
         (where / "test_batch.py").write_text(_batch_module(batched))
-        keyword = " or ".join(f"(Test{n}Suite and ({broken.SELECT[n]}))" for n in batched)
         batch_log = open(where / "log.txt", "w+")
         batches.append((batched, where, batch_log, subprocess.Popen(
-            [sys.executable, "-m", "pytest", "test_batch.py", "-q", "--tb=short", "-p", "no:cacheprovider", "-k",
-             keyword, f"--wsync-results={where / 'results.jsonl'}"],
-            env=_env(), stdout=batch_log, stderr=subprocess.STDOUT, cwd=where)))
+            _batch_command(where, batched, []), env=_env(), stdout=batch_log, stderr=subprocess.STDOUT, cwd=where)))
     try:
         while pending or running:
             while pending and len(running) < PARALLEL:
@@ -128,6 +142,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             time.sleep(0.2)
         for batched, where, batch_log, batch in batches:
             code = batch.wait(timeout=900)
+            while code == HUNG_EXIT_STATUS:  # a test hung past every interruption: the rest go on, as the command's
+                started = [r["started"] for r in _batch_records(where / "results.jsonl") if "started" in r]
+                if not started:
+                    break
+                batch_log.write(f"\n(a test hung past every interruption; going on without {started[-1]})\n")
+                batch_log.flush()
+                code = subprocess.call(_batch_command(where, batched, started), env=_env(), stdout=batch_log,
+                                       stderr=subprocess.STDOUT, cwd=where, timeout=900)
             batch_log.seek(0)
             text = batch_log.read()
             for name, by_guarantee in _batch_results(where / "results.jsonl", batched).items():

@@ -68,6 +68,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """The test's watchdog stops when its teardown ends, however it ends: a ``Hung`` raised in one
+    fixture's teardown (a BaseException) makes pytest skip the finalizers after it, the watchdog's
+    own among them, and a watchdog left running would end the process during a later test."""
+    try:
+        return (yield)
+    finally:
+        dog = getattr(item, "wsync_watchdog", None)
+        if dog is not None:
+            dog.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A test whose watchdog fired fails under "live" with the watchdog's finding first, whatever

@@ -114,11 +114,14 @@ def diagnose(skip: Collection[int] = frozenset()) -> tuple[str, list[str]]:
 class Watchdog:
     """Interrupts the main thread with ``Hung`` once ``budget`` seconds of test time have passed."""
 
-    def __init__(self, budget: float, label: str, on_hang: Callable[[], None] | None = None, nodeid: str = "") -> None:
+    def __init__(self, budget: float, label: str, on_hang: Callable[[], None] | None = None, nodeid: str = "",
+                 on_exit: Callable[[], None] | None = None) -> None:
         self.budget = budget
         self.label = label
         self.nodeid = nodeid
         self.on_hang = on_hang
+        #: called before the process ends: release captured output, so the stacks reach the real stderr
+        self.on_exit = on_exit
         self.used = 0.0
         self._since: float | None = None
         self._pauses = 0
@@ -203,7 +206,10 @@ class Watchdog:
                     signal.pthread_kill(main, _SIGNAL)
                 if self._done.wait(GRACE_S):
                     return
-            sys.stderr.write(f"\nwsync conformance watchdog: {self.label} could not be interrupted "
+            if self.on_exit is not None:
+                self.on_exit()
+            sys.stderr.write(f"\nwsync conformance watchdog: {self._fired[0]}\n"
+                             f"wsync conformance watchdog: {self.label} could not be interrupted "
                              f"(a call blocked in C); every stack follows, then this process exits "
                              f"with status {HUNG_EXIT_STATUS}\n")
             faulthandler.dump_traceback(all_threads=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -111,7 +112,18 @@ class SuiteBase:
             for w, _ in harness.waiting():
                 w.kill()
 
-        dog = Watchdog(total, f"test {request.node.name}", on_hang=kill_hung, nodeid=request.node.nodeid).start()
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+
+        def release_output() -> None:
+            """What pytest captured goes to the real streams, and the rest too (the process ends)."""
+            if capture is not None:
+                capture.suspend_global_capture(in_=False)
+                out, err = capture.read_global_capture()
+                sys.stdout.write(out)
+                sys.stderr.write(err)
+
+        dog = Watchdog(total, f"test {request.node.name}", on_hang=kill_hung, nodeid=request.node.nodeid,
+                       on_exit=release_output).start()
         request.node.wsync_watchdog = dog  # the report names the hung call, whatever error followed it
         try:
             yield dog
