@@ -4,6 +4,7 @@ never anything else, and still accepts everything the core itself writes."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -105,3 +106,21 @@ def test_any_bytes_like_object_is_accepted(data: bytes, kind) -> None:
         decode_json(kind(data), "message", MAX_HEADER_BYTES)
     except TransportError:
         pass
+
+
+@pytest.mark.parametrize("data", [
+    b"[" * (MAX_JSON_DEPTH + 1) + b'"' + b'\\"' * ((MAX_ACK_BYTES - 40) // 2),  # a string that never ends
+    b"[" * (MAX_JSON_DEPTH + 1) + b'"' * (MAX_ACK_BYTES - 40),
+    b"[" * (MAX_ACK_BYTES - 1),
+], ids=["escaped-quotes", "quotes", "brackets"])
+def test_a_hostile_ack_costs_time_linear_in_its_size(data: bytes) -> None:
+    """An ack of at most MAX_ACK_BYTES is refused in well under a second: the depth check once
+    scanned for brackets outside strings with a regex that took time quadratic in the quotes of a
+    string that never ends (16 s for 64 KiB, the sender's lock held all along; linear now, a few
+    milliseconds). The bound is two hundred times what it takes."""
+    started = time.monotonic()
+    with pytest.raises(TransportError):
+        Ack.decode(data)
+    with pytest.raises(TransportError):
+        Header.decode(data)
+    assert time.monotonic() - started < 2.0

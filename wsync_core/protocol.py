@@ -36,8 +36,6 @@ MAX_JSON_DEPTH = 32
 MAX_JSON_DIGITS = 40
 #: the longest number literal of any kind accepted from a peer
 _MAX_NUMBER_CHARS = 64
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(r"[\[\]{}]")
 
 # The hot path: what ``Header.encode`` and ``Ack.encode`` write for a plain full payload and a
 # plain ack, matched whole by one regex (a few microseconds instead of a checked ``json.loads``).
@@ -97,14 +95,15 @@ def _parse_constant(text: str) -> Any:
     raise TransportError(f"{text} is not JSON")
 
 
-def _depth_ok(text: str) -> bool:
-    """Whether ``text``'s arrays and objects nest at most MAX_JSON_DEPTH deep (strings skipped)."""
-    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
-        return True
-    depth = 0
-    for m in _BRACKET.finditer(_STRING.sub("", text)):
-        depth += 1 if m.group() in "[{" else -1
-        if depth > MAX_JSON_DEPTH:
+def _too_deep(value: Any) -> bool:
+    """Whether a parsed JSON ``value``'s arrays and objects nest more than MAX_JSON_DEPTH deep (one
+    pass over what was parsed: a scan of the text for brackets outside strings took time quadratic
+    in the number of quotes of an unterminated string, a 64 KiB ack stalling its sender for 16 s)."""
+    level = [value]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (list, dict))]
+        if not level:
             return False
     return True
 
@@ -122,14 +121,18 @@ def decode_json(data: Any, what: str, max_bytes: int) -> Any:
         text = bytes(data).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TransportError(f"{what} is not UTF-8: {exc}") from None
-    if not _depth_ok(text):
-        raise TransportError(f"{what} nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+    deep = TransportError(f"{what} nests arrays or objects more than {MAX_JSON_DEPTH} deep")
     try:
-        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except TransportError as exc:
         raise TransportError(f"{what} is malformed: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+    except RecursionError:  # (deeper than Python's recursion limit)
+        raise deep from None
+    except ValueError as exc:  # JSONDecodeError is a ValueError
         raise TransportError(f"{what} is not valid JSON: {exc}") from None
+    if isinstance(value, (list, dict)) and text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(value):
+        raise deep
+    return value
 
 
 def _decode(data: bytes, limit: int, what: str) -> dict[str, Any]:
