@@ -586,7 +586,7 @@ class StreamSender(_Loop, SenderBase):
         conn.reader.accept = frozenset({Kind.RESPONSE} if self.authkey is not None else {Kind.HELLO})
         if len(self.strangers) >= _MAX_STRANGERS:  # the oldest goes untold (a BYE with a reason is a
             # refusal for good): a worker among them, slow to say hello, connects again
-            self._drop(self.strangers.pop(0), "too many connections that have not said hello")
+            self._drop(self.strangers[0], "too many connections that have not said hello")
         self.strangers.append(conn)
         self._live_selector().register(stream, selectors.EVENT_READ, conn)
         if self.authkey is not None:
@@ -696,12 +696,19 @@ class StreamSender(_Loop, SenderBase):
 
     def _idle(self, conn: _Conn, now: float) -> str | None:
         if conn.worker is None and now - conn.born > self.heartbeat:  # pings do not count
-            return f"no hello within {self.heartbeat:g} s of connecting"
+            reason = f"no hello within {self.heartbeat:g} s of connecting"
+            if self.authkey is not None:
+                return reason  # dropped untold: a worker slow to answer the challenge connects again
+            # a worker says hello as it connects, unless it waits for a challenge: one given an
+            # authkey (this sender has none) is told, so that it says so
+            self._refuse(conn, reason)
+            return None
         return super()._idle(conn, now)
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
+        """Drop ``conn`` for good: its peer is told ``reason``, and stops (it does not connect again)."""
         log.warning("%s refused %s: %s", self.what, _who(conn), reason)
-        self._drop(conn, reason)
+        self._drop(conn, reason, tell=True)
 
     def _enqueue(self, conn: _Conn) -> None:
         pending = conn.pending
@@ -737,13 +744,14 @@ class StreamSender(_Loop, SenderBase):
             self._enqueue(conn)
 
     def _drop(self, conn: _Conn, reason: str, tell: bool = False) -> None:
-        """Close ``conn``, giving back what it held; a peer that never joined, or one ``tell`` names,
-        is told ``reason`` (best effort, never cutting into a half-written frame)."""
+        """Close ``conn``, giving back what it held. With ``tell``, its peer is told ``reason`` (best
+        effort, never cutting into a half-written frame), which it takes as a refusal for good; a
+        peer not told (a stranger slow to say hello, a stream out of step) connects again."""
         if conn.stream is None:
             return
-        if conn in self.strangers or tell:
-            if conn in self.strangers:
-                self.strangers.remove(conn)
+        if conn in self.strangers:
+            self.strangers.remove(conn)
+        if tell:
             if not conn.out:
                 try:
                     self.write(conn.stream, memoryview(frame(Kind.BYE, reason.encode()[:MAX_REASON_BYTES])))
@@ -804,6 +812,7 @@ class StreamReceiver(_Loop, ReceiverBase):
         self._spare: list[torch.Tensor] = []
         self._broken = False  # the last connection went out of step (a protocol violation)
         self._broken_delay = _BROKEN_DELAY_S  # the wait before connecting again after one
+        self._cut_short = False  # the last connection ended before its handshake did
         self._probes = 0  # the number of the last probe sent
         self._answered = 0  # the number of the last probe the sender answered
         self._unreached: str | None = None  # why the last attempt to reach the sender failed
@@ -902,8 +911,8 @@ class StreamReceiver(_Loop, ReceiverBase):
             if reason is not None:
                 self.fail(reason)
                 return
-            if self._broken:  # the connection went out of step: connect again, not at once every time
-                with self.cond:
+            if self._broken or self._cut_short:  # out of step, or ended before its handshake: connect
+                with self.cond:                     # again, not at once every time
                     self.cond.wait(self._broken_delay)
                 self._broken_delay = min(self._broken_delay * 2, 1.0)
 
@@ -941,9 +950,7 @@ class StreamReceiver(_Loop, ReceiverBase):
                     if silent is not None:
                         log.info("%s: the sender is %s; reconnecting", self.what, silent)
                         return None
-        except EOFError:
-            if conn.stage == "proof":
-                return "the sender closed the connection during the handshake (wrong authkey?)"
+        except EOFError:  # untold (a sender that refuses says why, in a BYE): connect again
             return None
         except Violation as exc:  # damage in transit that TCP let through, or a sender's bug: report it,
             # and connect again (recv raises it until a delivery comes on a new connection)
@@ -956,6 +963,9 @@ class StreamReceiver(_Loop, ReceiverBase):
             log.info("%s: connection to the sender lost (%s); reconnecting", self.what, exc)
             return None
         finally:
+            # ended before its handshake did (a sender with too many strangers, or restarting): the
+            # next connection waits a little, longer each time
+            self._cut_short = conn.stage != "live"
             with self.cond:
                 if not self.is_open and conn.stage == "live":
                     self._goodbye(conn)
@@ -979,6 +989,9 @@ class StreamReceiver(_Loop, ReceiverBase):
             pass
 
     def _live(self, conn: _Conn) -> None:
+        self._cut_short = False
+        if not self._broken:  # (one out of step waits longer each time, until a delivery comes whole)
+            self._broken_delay = _BROKEN_DELAY_S
         conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE,
                                                             Kind.ANSWER})
         conn.push(hello_frame(self.ctx.worker_idx, self.ctx.layout.nbytes, self.ctx.origin))

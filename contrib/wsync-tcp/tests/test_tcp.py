@@ -71,9 +71,9 @@ def sender():
 
 
 @contextlib.contextmanager
-def raw_sender(num_workers: int, heartbeat: float) -> Iterator[tuple[Any, tuple[str, int]]]:
+def raw_sender(num_workers: int, heartbeat: float, **options: Any) -> Iterator[tuple[Any, tuple[str, int]]]:
     """A tcp sender endpoint (no scheme: raw sockets play its workers), open, and its address."""
-    transport = TcpTransport(heartbeat=heartbeat)
+    transport = TcpTransport(heartbeat=heartbeat, **options)
     endpoint = transport.sender(SenderContext(num_workers, LAYOUT, "policy", torch.device("cpu")))
     endpoint.open(Deadline(10))
     try:
@@ -436,3 +436,50 @@ def test_a_worker_that_cannot_reach_the_sender_is_told_why_when_connect_times_ou
             worker.connect()
     finally:
         worker.shutdown()
+
+
+def test_a_stranger_dropped_for_its_silence_is_not_refused_for_good() -> None:
+    """A connection that does not answer the challenge within the heartbeat is closed without a
+    reason (a BYE with one is a refusal for good: a worker slow to answer, its process stalled,
+    stopped). A sender without an authkey tells one that says no hello: a worker waits for a
+    challenge only when it has an authkey (``test_a_key_on_one_side_only_is_named``, unix)."""
+    with raw_sender(1, heartbeat=1.0, authkey="k") as (endpoint, address), socket.create_connection(address) as silent:
+        kinds = []
+        with pytest.raises(EOFError):
+            while True:
+                kind, _, body = read_frame(silent)
+                kinds.append((kind, body))
+        assert not [body for kind, body in kinds if kind == Kind.BYE and body], kinds
+
+
+def test_a_worker_whose_connection_ends_during_the_handshake_connects_again() -> None:
+    """A sender that closes the connection after the worker answered its challenge, untold (it had
+    too many strangers, or was restarting), is connected to again, after a pause that grows: the
+    worker no longer stops for good blaming its authkey (an outside audit); a wrong key is told in
+    a BYE (``test_auth_good_key_updates_wrong_key_and_no_key_refused``)."""
+    from wsync_core import free_port
+    from wsync_core.stream import frame
+
+    listener = socket.create_server(("127.0.0.1", free_port("127.0.0.1")))
+    attempts: list[float] = []
+
+    def fake_sender() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                attempts.append(time.monotonic())
+                with conn, contextlib.suppress(EOFError, OSError):
+                    conn.sendall(frame(Kind.CHALLENGE, os.urandom(32)))
+                    read_frame(conn, timeout=10.0)  # its response; then closed, untold
+
+    threading.Thread(target=fake_sender, daemon=True).start()
+    worker = WeightSyncScheme(TcpTransport(port=listener.getsockname()[1], authkey="right key"), timeout=3.0)
+    worker.init_on_receiver(model=make_model(0), worker_idx=0)
+    try:
+        with pytest.raises(WorkerTimeoutError):
+            worker.connect()
+        # connecting again: more than once; with a pause, not hundreds of times in 3 s
+        assert 3 <= len(attempts) <= 30, len(attempts)
+    finally:
+        worker.shutdown()
+        listener.close()
