@@ -105,3 +105,22 @@ def test_without_the_server_key_a_peer_is_refused(keys, caplog):
         stranger.shutdown()
         plain.shutdown()
         sender.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["\n", "~", None], ids=["newline", "not-z85", "not-ascii"])
+@pytest.mark.parametrize("option", ["curve_server_secret", "curve_client_secret"])
+def test_a_malformed_secret_key_is_named_never_shown(option: str, damage: str | None) -> None:
+    """A secret key with a stray character (a newline from its file), or not Z85 at all, is refused
+    naming the option, and no error quotes it (an outside audit found it quoted whole)."""
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    bad: str | bytes = (secret + damage if damage == "\n" else secret[:-1] + damage if damage
+                        else b"\xff" + secret[1:].encode())
+    options = {"curve_server_key": public, option: bad}
+    if option == "curve_client_secret":
+        options["curve_client_key"] = public
+    else:
+        options["curve_server_secret"] = bad
+    with pytest.raises(ValueError, match=option) as info:
+        WeightSyncScheme("zmq", **options)
+    shown = str(info.value)
+    assert secret[:20] not in shown and secret[20:] not in shown, shown

@@ -29,6 +29,8 @@ __all__ = ["ZmqTransport"]
 
 _TCP = re.compile(r"^tcp://(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})$")
 _WILDCARDS = {"*", "0.0.0.0", "[::]", "[*]"}
+#: the options that hold secret keys: never shown (``repr``, errors)
+_SECRETS = ("curve_server_secret", "curve_client_secret")
 
 
 def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
@@ -37,9 +39,11 @@ def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
     if value.startswith("ipc://") and len(value) > len("ipc://"):
         return value
     m = _TCP.match(value)
-    if m is None or not 0 < int(m["port"]) < 65536:
+    if m is None:
         raise ValueError(f"zmq option {option} must be 'tcp://HOST:PORT' with an explicit port (or 'ipc://PATH'), "
                          f"got {value!r}")
+    if not 0 < int(m["port"]) < 65536:
+        raise ValueError(f"zmq option {option}={value!r}: the port must be 1 to 65535")
     if m["host"] in _WILDCARDS and not wildcard:
         raise ValueError(f"zmq option {option}={value!r} names every interface, which receivers cannot connect "
                          f"to; give the sender's address here and bind wider with bind='{value}'")
@@ -47,14 +51,24 @@ def _check_endpoint(value: Any, option: str, wildcard: bool) -> str:
 
 
 def _check_key(value: Any, option: str) -> str:
-    key = value.decode("ascii") if isinstance(value, bytes) else value
+    """``value`` as a Z85 CURVE key; ValueError naming ``option`` otherwise. A secret key's value is
+    never quoted (a wrong one is most often the right key with a stray character)."""
+    shown = "its value not shown: a secret" if option in _SECRETS else f"{value!r:.50}"
+    try:
+        key = value.decode("ascii") if isinstance(value, bytes) else value
+    except UnicodeDecodeError:
+        key = None
     if not isinstance(key, str) or len(key) != 40:
-        raise ValueError(f"zmq option {option} must be a 40-character Z85 CURVE key "
-                         f"(from zmq.curve_keypair()), got {value!r:.50}")
+        what = ("bytes that are not ASCII" if isinstance(value, bytes) and key is None
+                else f"{len(value)} characters" if isinstance(value, (str, bytes))
+                else f"a value of type {type(value).__name__}")
+        raise ValueError(f"zmq option {option} must be a 40-character Z85 CURVE key (from zmq.curve_keypair()), "
+                         f"got {what} ({shown})")
     try:
         zmq.utils.z85.decode(key)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"zmq option {option} is not a valid Z85 key: {exc}") from None
+        raise ValueError(f"zmq option {option} is not a valid Z85 key"
+                         f"{'' if option in _SECRETS else f': {exc}'}") from None
     return key
 
 
@@ -81,7 +95,7 @@ class ZmqTransport(Transport):
     interface = 2
     capabilities = Capabilities(processes=True, multi_host=True, zero_copy=False, async_send=True,
                                 subset_send=True, late_join=True, auth=True, sender_restart=True)
-    secret_options = ("curve_server_secret", "curve_client_secret")
+    secret_options = _SECRETS
 
     @staticmethod
     def auth_options(good: bool) -> dict[str, Any]:
