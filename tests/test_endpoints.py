@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import pickle
 import select
+import sys
 import threading
 import time
 
@@ -54,6 +56,30 @@ def test_deadline_timeouts_never_overflow() -> None:
     assert forever.seconds() is None and forever.milliseconds() == -1
     assert 0 < Deadline(0.5).seconds() <= 0.5 and Deadline(0.0015).milliseconds() in (1, 2)
     assert Deadline(0).milliseconds() == 0
+    for huge in (sys.maxsize, 1e10, 2.0**70):  # (an outside audit: OverflowError from select and time_t)
+        assert Deadline(huge).seconds() is None and Deadline(huge).milliseconds() == -1
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "mp"])
+def test_a_huge_timeout_waits_as_forever_does(transport: str) -> None:
+    """``receive(timeout=sys.maxsize)`` and a scheme's ``timeout=1e10`` wait as ``math.inf`` does
+    (here: until a version comes), never raising OverflowError from the clock's range."""
+    from wsync_core import WeightSyncScheme
+
+    sender = WeightSyncScheme(transport, timeout=1e10)
+    sender.init_on_sender(model={"w": torch.ones(4)}, num_workers=1)
+    worker = pickle.loads(pickle.dumps(sender))
+    worker.init_on_receiver(model={"w": torch.zeros(4)}, worker_idx=0)
+    try:
+        joined = threading.Thread(target=worker.connect)
+        joined.start()
+        sender.connect()
+        joined.join()
+        threading.Timer(0.2, sender.send).start()
+        assert worker.receive(timeout=sys.maxsize) == 1
+    finally:
+        worker.shutdown()
+        sender.shutdown()
 
 
 def test_a_wakeup_ends_a_select_from_another_thread_and_stays_set() -> None:

@@ -10,9 +10,14 @@ import time
 
 __all__ = ["Deadline", "POLL", "Wakeup"]
 
+#: a timeout longer than this (about 31 years) never expires: the waits it would give
+#: ``select``, ``Condition.wait`` or ``time_t`` overflow (OverflowError) where ``math.inf`` does not
+_FOREVER_S = 1e9
+
 
 class Deadline:
-    """A point in time on the monotonic clock; ``timeout=math.inf`` never expires.
+    """A point in time on the monotonic clock; ``timeout=math.inf`` (or any timeout over 10**9 s)
+    never expires.
 
     Raises TypeError for a timeout that is not a number (a bool, a string), ValueError for a
     negative or NaN one.
@@ -28,7 +33,7 @@ class Deadline:
         if not timeout >= 0:  # (NaN compares False)
             raise ValueError(f"timeout must be a number >= 0 (math.inf to wait forever), got {timeout!r}")
         self.timeout = float(timeout)
-        self._end = time.monotonic() + self.timeout
+        self._end = time.monotonic() + self.timeout if self.timeout <= _FOREVER_S else math.inf
 
     def remaining(self) -> float:
         """Seconds left, never below 0 (``math.inf`` for a deadline that never expires)."""

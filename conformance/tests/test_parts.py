@@ -212,7 +212,7 @@ from wsync_conformance import TransportSuite
 
 class TestHang(TransportSuite):
     transport = "inproc"
-    timeout = 1.0
+    timeout = 0.5
 
     @pytest.fixture
     def stuck(self):
@@ -223,7 +223,7 @@ class TestHang(TransportSuite):
         pass
 
     def test_runs_after_the_hang(self) -> None:
-        time.sleep(8)  # longer than the watchdog's grace: a watchdog left running ends the process
+        time.sleep(4)  # longer than the watchdog's grace: a watchdog left running ends the process
 '''
 
 
@@ -232,7 +232,7 @@ def test_a_hang_in_a_fixtures_teardown_stops_the_watchdog_with_the_test(tmp_path
     budget's own among them: the watchdog still stops when the test's teardown ends, so the next
     test runs to its end instead of the process ending with the hung status."""
     (tmp_path / "test_hang.py").write_text(_HANG_IN_TEARDOWN)
-    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="2", WSYNC_CONFORMANCE_GRACE="1")
+    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="1", WSYNC_CONFORMANCE_GRACE="0.5")
     proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
                            "-k", "hangs_in_teardown or runs_after_the_hang"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)

@@ -834,6 +834,17 @@ class _DeafDial(_Receiver):
         super().open(deadline)
 
 
+class _InfiniteTimeout(_Receiver):
+    """open() hands what remains of its deadline to a socket timeout, which cannot take math.inf
+    (OverflowError): a worker connecting with ``timeout=math.inf``, the documented "forever",
+    fails (mp's handshake did, and rpc's agent start, found by an outside audit)."""
+
+    def open(self, deadline) -> None:
+        with socket.socket() as sock:
+            sock.settimeout(deadline.remaining())
+        super().open(deadline)
+
+
 class _EndAfterPublish(_Sender):
     """A worker's Left found by a publish (the new connection met first, the old one's end after
     it, as zmq's sender matched ends by descriptor) is reported after its new Joined; with only
@@ -879,6 +890,8 @@ DropsOnFailedWrite = _tooth("DropsOnFailedWrite", "live", "test_endpoint_ack_the
 IndexUnchecked = _tooth("IndexUnchecked", "live", "test_live_worker_index_out_of_range_is_told",
                         receiver=_IndexUnchecked)
 DeafToWake = _tooth("DeafToWake", "live", "test_live_shutdown_from_another_thread_ends_receive", receiver=_DeafToWake)
+InfiniteTimeout = _tooth("InfiniteTimeout", "live", "test_live_a_timeout_of_math_inf_waits_as_long_as_it_takes",
+                        receiver=_InfiniteTimeout)
 DeafDial = _tooth("DeafDial", "live", "test_live_shutdown_from_another_thread_ends_connect_with_no_sender",
                   receiver=_DeafDial)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 import pickle
 import threading
 import time
@@ -244,6 +245,50 @@ class LiveChecks:
         except WorkerTimeoutError as exc:
             raise violated("live", f"after two large payloads, a send to every worker timed out for {exc.workers}: "
                                    f"was the silent worker dropped?") from exc
+
+    @guarantee("live")
+    def test_live_a_timeout_of_math_inf_waits_as_long_as_it_takes(self, wsync: Context) -> None:
+        """``timeout=math.inf``, the documented "wait forever", works in ``connect``, ``send`` and
+        ``receive`` on both sides as any other timeout does: nothing turns it into a socket timeout,
+        a ``select``, a lock wait or a ``timedelta`` that cannot hold it (OverflowError), nor
+        waits forever where the version is there (an outside audit found two transports that did)."""
+        s = wsync.session(version_spec(), n=1, connect=False)
+        worker = s.workers[0]
+        s.expected[0] = digests(s.model)
+        worker.call_async("connect", timeout=math.inf)
+        outcome: list[BaseException | None] = []
+
+        def connect() -> None:
+            try:
+                s.scheme.connect(timeout=math.inf)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test names it; it is no reason to hang
+                outcome.append(exc)
+
+        connecting = threading.Thread(target=connect, name="wsync-conformance-connect", daemon=True)
+        connecting.start()  # (a worker that failed leaves it waiting: the session's shutdown ends it)
+        joined = worker.recv(wsync.timeout + 60.0, "answer to connect(timeout=math.inf)")
+        if joined.error:
+            raise violated("live", f"a worker's connect(timeout=math.inf) raised {joined.error}: "
+                                   f"{str(joined.get('message') or '').strip()[:300]}")
+        connecting.join(wsync.timeout)
+        if not outcome or outcome[0] is not None:
+            raise violated("live", f"the sender's connect(timeout=math.inf) "
+                                   f"{'did not return' if not outcome else f'raised {outcome[0]!r:.300}'} "
+                                   f"with its worker connected")
+        fill_version(s.model, 1)
+        worker.call_async("receive", timeout=math.inf)
+        try:
+            got = s.scheme.send(timeout=math.inf)
+        except (WsyncError, OverflowError, ValueError) as exc:
+            raise violated("live", f"send(timeout=math.inf) raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            reply = worker.recv(wsync.timeout + 60.0, "answer to receive(timeout=math.inf)")
+        if reply.error or reply.get("result") != got:
+            raise violated("live", f"a worker's receive(timeout=math.inf) gave {reply.error or reply.get('result')} "
+                                   f"{reply.get('message') or ''}; version {got} was sent")
+        s.expected[got] = digests(s.model)
+        s.check(got, guarantee="live")
 
     @guarantee("live")
     def test_live_worker_index_out_of_range_is_told(self, wsync: Context) -> None:

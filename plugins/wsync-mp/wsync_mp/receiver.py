@@ -315,7 +315,8 @@ class MpReceiver(ReceiverEndpoint):
         data = bytearray()
         sock = self._socket()
         while len(data) < size:
-            sock.settimeout(max(deadline.remaining(), 1e-3))
+            left = deadline.seconds()  # (None: math.inf, which settimeout cannot take)
+            sock.settimeout(None if left is None else max(left, 1e-3))
             chunk = sock.recv(size - len(data))
             if not chunk:
                 raise TransportError(f"worker {self.worker}: {self.peer} closed the connection during the "

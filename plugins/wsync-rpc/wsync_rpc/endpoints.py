@@ -283,7 +283,7 @@ class _Agent:
         # TCP only: TensorPipe's shm transport polls without sleeping (most of a core per idle process)
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}",
                                                _transports=["uv"])
-        wait = timedelta(seconds=max(0.05, wait_s))
+        wait = timedelta(seconds=max(0.05, min(wait_s, 86400.0)))  # (math.inf: a timedelta cannot hold it)
         own.set_timeout(wait)
         _init_dist_autograd(self.rank)
         try:
