@@ -11,6 +11,7 @@ A TensorDict or a state_dict given directly is taken as it is, whatever the stra
 
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -202,15 +203,20 @@ def _extra_state_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tens
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             out[f"{base}.{key}"] = value.detach()
-        elif isinstance(value, (bool, int, float)):
-            out[f"{base}.{key}"] = torch.tensor(value, dtype=_NUMBER_DTYPES[type(value)])
+        elif isinstance(value, numbers.Real):  # numpy's scalars and IntEnum members too
+            dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, numbers.Integral) \
+                else torch.float64
+            if dtype is torch.int64 and not _INT64_MIN <= int(value) <= _INT64_MAX:
+                raise ValueError(f"{base}.{key}: extra state entry {int(value)} does not fit in a 64-bit integer, "
+                                 f"which is how wsync carries an integer")
+            out[f"{base}.{key}"] = torch.tensor(float(value) if dtype is torch.float64 else int(value), dtype=dtype)
         else:
             raise TypeError(f"{base}.{key}: extra state entry is a {type(value).__name__}; wsync carries "
                             f"tensors and numbers (never pickled)")
     return out
 
 
-_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def restore_extra_state(weights: Any, targets: Mapping[str, torch.Tensor]) -> None:
