@@ -5,13 +5,17 @@ counters) travels beside the weights as tensors, never pickled, and lands throug
 from __future__ import annotations
 
 import enum
+import time
+import types
 
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
 from core_helpers import connected_pair
+from wsync_core import WeightSyncScheme, WsyncError
 from wsync_core.weights import flatten
 
 
@@ -109,3 +113,51 @@ def test_an_integer_beyond_64_bits_is_named():
     m.steps = 2**64
     with pytest.raises(ValueError, match=r"_extra_state\.steps.*64-bit"):
         flatten(m)
+
+
+class Picky(nn.Module):
+    """A module whose set_extra_state refuses some values (the user's own check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.steps = 0
+
+    def get_extra_state(self):
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state):
+        if state["steps"] > 5:
+            raise ValueError("steps out of range")
+        self.steps = state["steps"]
+
+
+def test_an_error_of_the_models_own_code_is_told_to_the_sender():
+    """A worker's set_extra_state that raises: receive() raises it, and the sender is told at once
+    (its send raises naming the worker's error) instead of waiting out its timeout."""
+    sender, trainer, receiver, worker = connected_pair(model=Picky(), local=Picky())
+    try:
+        trainer.steps = 10
+        handle = sender.send_async()
+        with pytest.raises(ValueError, match="steps out of range"):
+            receiver.receive(timeout=30)
+        started = time.monotonic()
+        with pytest.raises(WsyncError, match="steps out of range"):
+            handle.wait(30)
+        assert time.monotonic() - started < 20  # (told, not timed out: 30 s)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+@pytest.mark.parametrize("model", [
+    lambda: TensorDict({"w": torch.empty(3, device="meta")}, []).lock_(),
+    lambda: types.MappingProxyType({"w": torch.empty(3, device="meta")}),
+], ids=["locked-tensordict", "mappingproxy"])
+def test_meta_tensors_in_a_container_that_takes_no_entries_are_refused_at_init(model):
+    """Meta tensors get memory from the first version by replacing their entries: a locked
+    TensorDict or a read-only mapping cannot take them, which init_on_receiver says (before, the
+    worker's connect failed with a RuntimeError and its trainer waited out its timeout)."""
+    scheme = WeightSyncScheme("inproc")
+    with pytest.raises(TypeError, match="meta device"):
+        scheme.init_on_receiver(model=model(), worker_idx=0)

@@ -177,6 +177,61 @@ def test_the_guard_and_listeners_must_be_callable():
         sender.shutdown()
 
 
+def test_a_listener_that_raises_in_connect_leaves_the_worker_connected():
+    """An apply listener that raises on version 0: connect() raises its error, and the worker is
+    connected (it holds version 0, which it acked): receive() takes the next version (before, the
+    scheme stayed unconnected, a second connect() timed out and receive() raised StateError)."""
+    model = make_policy(0)
+    sender = WeightSyncScheme("inproc", timeout=30.0, sync=False)
+    sender.init_on_sender(model=model, num_workers=1)
+    receiver: WeightSyncScheme = pickle.loads(pickle.dumps(sender))
+    local = make_policy(1)
+    receiver.init_on_receiver(model=local, worker_idx=0)
+    calls: list[int] = []
+
+    def listener(v: int) -> None:
+        calls.append(v)
+        if len(calls) == 1:
+            raise RuntimeError("the listener failed once")
+
+    receiver.add_apply_listener(listener)
+    failed: list[BaseException] = []
+    t = threading.Thread(target=lambda: _record(receiver.connect, failed))
+    t.start()
+    try:
+        sender.connect()
+        t.join()
+        assert [type(e) for e in failed] == [RuntimeError] and receiver.state == "connected receiver"
+        bump(model)
+        handle = sender.send_async()
+        assert receiver.receive(timeout=30) == 1 and same(local, model) and handle.wait(30) == 1
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
+def _record(call, errors: list[BaseException]) -> None:
+    try:
+        call()
+    except Exception as exc:  # the test looks at it
+        errors.append(exc)
+
+
+def test_connect_checks_watch_before_it_opens_anything():
+    """connect(watch=...) with something not callable is refused before anything opens (the
+    scheme stays as it was); a watch that returns no mapping is named (bare errors before)."""
+    sender = WeightSyncScheme("inproc", timeout=1.0)
+    sender.init_on_sender(model=make_policy(0), num_workers=1)
+    try:
+        with pytest.raises(TypeError, match="connect.*watch="):
+            sender.connect(watch=5)
+        assert sender.state == "initialized as sender"
+        with pytest.raises(TypeError, match="watch returned a list"):
+            sender.connect(watch=lambda missing: list(missing))
+    finally:
+        sender.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["inproc", "shm"])
 def test_shutdown_by_the_thread_holding_the_guard_ends_a_receive_waiting_for_it(transport):
     """A worker's step loop holds its safe-point lock and shuts the scheme down while a background

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .deadline import POLL, Deadline
-from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError, WsyncError
+from .errors import SchemaMismatchError, StateError, TransportError, WorkerTimeoutError
 from .delta import INDEX_BYTES, WIRE_DTYPES, Op, apply_ops, check_indices, decode_table, unpack_wire, wire_layout
 from .layout import Layout
 from .lease import LeaseBook
@@ -242,8 +242,8 @@ class Receiver:
             except _WroteSince as exc:
                 self._refuse_delta(delivery, header, str(exc) or f"wrote its model since version {self.version}")
                 return None
-            except (SchemaMismatchError, TransportError) as exc:
-                _release(delivery)
+            except Exception as exc:  # a mismatch, damage, or the model's own code (a set_extra_state that
+                _release(delivery)      # raised): the sender is told at once, not left to its timeout
                 self._reject(header.version, exc)
                 raise
             finally:
@@ -337,7 +337,7 @@ class Receiver:
         held = self.version if header.session == self.session else -1  # (another sender's numbers mean nothing here)
         self._ack(held, why, "BaseMismatch")
 
-    def _reject(self, version: int, exc: WsyncError, error_type: str | None = None) -> None:
+    def _reject(self, version: int, exc: Exception, error_type: str | None = None) -> None:
         log.warning("worker %s rejected version %d: %s", self.worker_idx, version, exc)
         self._ack(version, str(exc), error_type or type(exc).__name__)
 

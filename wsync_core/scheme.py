@@ -463,6 +463,9 @@ class WeightSyncScheme:
             deadline = self._deadline(timeout)
             if watch is not None and self._state is not _State.SENDER:
                 raise ValueError("connect(watch=...) is for a sender; receivers have no workers to watch")
+            if watch is not None:
+                _check_callable(watch, "connect", "as watch= a function of the missing workers' indices that "
+                                                  "returns {worker: why} for the dead ones")
             if self._state is _State.SENDER:
                 sender = self._sender()
                 sender.open(deadline)
@@ -473,8 +476,11 @@ class WeightSyncScheme:
                 receiver = self._receiver()
                 receiver.open(deadline)
                 self._opened(receiver)
-                receiver.connect(deadline)
-                self._state = _State.RECEIVER_CONNECTED
+                try:
+                    receiver.connect(deadline)
+                finally:
+                    if receiver.version >= 0:  # a version applied and acked: connected, whatever came after
+                        self._state = _State.RECEIVER_CONNECTED  # (an apply listener's error, raised here)
             else:
                 self._expect(_State.RECEIVER if self.worker_idx is not None else _State.SENDER, "connect")
 

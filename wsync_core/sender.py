@@ -660,7 +660,11 @@ class Sender:
             missing = [w for w in missing if w not in rejected]
             if not missing or deadline.expired():
                 return
-            dead = {w: why for w, why in watch(missing).items() if w in missing}
+            named = watch(missing)
+            if not isinstance(named, Mapping):
+                raise TypeError(f"connect(watch=...): watch returned a {type(named).__name__}; it must return a "
+                                f"mapping of the dead workers among those it was given to why (empty if none)")
+            dead = {w: why for w, why in named.items() if w in missing}
             if dead:
                 detail = "\n".join(f"--- worker {w}: {why}" for w, why in sorted(dead.items()))
                 raise WorkerDiedError(f"workers {sorted(dead)} died before applying version 0 "

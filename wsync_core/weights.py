@@ -140,7 +140,14 @@ def _refuse_uninitialized(items: list[tuple[str, torch.Tensor | None]]) -> None:
 def check_holds_writes(weights: Any) -> None:
     """Raise TypeError if ``weights`` cannot hold what is written into it: a lazily stacked
     TensorDict (at its root or under a key) stacks its entries anew on every read, so a write to
-    what it hands out lands in a copy and the model never changes."""
+    what it hands out lands in a copy and the model never changes; meta tensors (given memory by
+    the first payload, ``materialize``) in a locked TensorDict or a read-only mapping."""
+    frozen = _frozen_with_meta(weights)
+    if frozen is not None:
+        raise TypeError(f"{frozen} holds tensors on the meta device, which get memory from the first version by "
+                        f"replacing its entries, and it takes no new entries: "
+                        f"{'unlock it (unlock_())' if 'locked' in frozen else 'pass a dict'}, or build the "
+                        f"tensors on a real device")
     if not is_tensordict(weights):
         return
     lazy = [""] if weights._lazy else []
@@ -151,6 +158,26 @@ def check_holds_writes(weights: Any) -> None:
         raise TypeError(f"{where} is a LazyStackedTensorDict: its entries are stacked anew on every read, so "
                         f"received weights would land in copies; give the worker a dense TensorDict "
                         f"(e.g. its .contiguous()) to receive into")
+
+
+def _frozen_with_meta(weights: Any, where: str = "the model") -> str | None:
+    """Where ``weights`` (a TensorDict or a mapping, nested) holds meta tensors in a container that
+    takes no new entries (a locked TensorDict, a read-only mapping): its description, or None."""
+    if is_tensordict(weights):
+        if weights.is_locked and any(isinstance(t, torch.Tensor) and t.is_meta
+                                     for t in weights.values(include_nested=True, leaves_only=True)):
+            return f"{where} (a locked TensorDict)"
+        return None
+    if isinstance(weights, nn.Module) or not isinstance(weights, Mapping):
+        return None
+    for key, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_meta and not isinstance(weights, MutableMapping):
+            return f"{where} (a {type(weights).__name__}, read-only)"
+        if isinstance(value, Mapping) or is_tensordict(value):
+            inner = _frozen_with_meta(value, f"the model's entry {key!r}")
+            if inner is not None:
+                return inner
+    return None
 
 
 def _maybe_detach(t: torch.Tensor, detach: bool) -> torch.Tensor:
