@@ -913,6 +913,38 @@ def test_a_tie_only_the_worker_has_is_checked_at_every_version(cluster, delta) -
     assert c.sender.send() == 3 and torch.equal(worker.out.weight, trainer.out.weight)
 
 
+@pytest.mark.parametrize("how", ["assigned", "rebind"])
+def test_weights_the_worker_ties_after_connect_are_checked(how: str) -> None:
+    """The worker ties two weights after it connected (``out.weight = emb.weight``, or a tied model
+    given to ``rebind``): the next version, in which the trainer's two differ, is refused naming
+    both keys, the worker's model keeping what it held. Before, ties were found only at a sender's
+    first version: the second key's values overwrote the first's (an outside audit)."""
+    trainer = _Net(False)
+    s = WeightSyncScheme("inproc", timeout=5.0, sync=False)
+    s.init_on_sender(model=trainer, num_workers=1)
+    worker = _Net(False)
+    r = pickle.loads(pickle.dumps(s))
+    r.init_on_receiver(model=worker, worker_idx=0)
+    try:
+        assert connect_both(s, r) == (None, None)
+        if how == "assigned":
+            worker.out.weight = worker.emb.weight
+        else:
+            worker = _Net(True)
+            r.rebind(worker)
+        held = worker.emb.weight.clone()
+        with torch.no_grad():
+            trainer.emb.weight.fill_(1.0)
+            trainer.out.weight.fill_(2.0)
+        s.send_async()
+        with pytest.raises(SchemaMismatchError, match="'emb.weight' and 'out.weight' are one tensor"):
+            r.receive(timeout=5.0)
+        assert torch.equal(worker.emb.weight, held) and r.version == 0
+    finally:
+        r.shutdown()
+        s.shutdown()
+
+
 def _overlapping(kind: str) -> dict[str, torch.Tensor]:
     """A worker's state_dict whose tensors share memory in part: b a slice of a, two overlapping
     slices of one buffer, or b a transposed view of a."""

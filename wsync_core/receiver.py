@@ -94,7 +94,8 @@ class Receiver:
         self.announced = -1
         #: the keys that are one tensor in the model (``_tie_groups``), and those whose memory
         #: overlaps in part (``_overlaps``), found at the first full payload of the sender
-        #: ``_ties_of``; every version is checked against them (``_check_ties``)
+        #: ``_ties_of`` and again whenever a tensor is not the one the last version left (the worker
+        #: tied two since, or replaced one); every version is checked against them (``_check_ties``)
         self._ties: list[list[str]] = []
         self._overlaps: list[list[str]] = []
         self._ties_of: str | None = None
@@ -461,7 +462,10 @@ class Receiver:
         model could hold only one of them (the sender's are not tied, and no longer equal); the
         same for keys whose memory overlaps otherwise (one a slice or a transposed view of
         another), where they overlap (``_check_overlap``)."""
-        if header.session != self._ties_of:
+        applied = self._as_applied  # the tensors as the last version left them: ties found then still hold
+        if header.session != self._ties_of or applied is None or len(applied) != len(targets) or not all(
+                i == id(t) and p == t.data_ptr() for (i, _, p), t in zip(applied, targets.values())):
+            # (a new sender, or the worker re-tied or replaced a tensor since: ``b.weight = a.weight``)
             self._ties, self._overlaps, self._ties_of = _tie_groups(targets), _overlaps(targets), header.session
         for keys in self._ties:
             first = layout.entry(keys[0])
