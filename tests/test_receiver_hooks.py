@@ -177,6 +177,33 @@ def test_the_guard_and_listeners_must_be_callable():
         sender.shutdown()
 
 
+def test_a_receive_by_the_thread_holding_a_lock_guard_returns_at_its_timeout():
+    """``with lock: receive(timeout=0.5)`` where the guard is ``lambda: lock``: the receive would
+    wait for its own thread; it returns None at its timeout, and the version, kept, is applied by
+    the next receive once the lock is free (before, it waited for ever: an outside audit). An
+    RLock its thread holds is entered again: that receive applies at once."""
+    sender, model, receiver, local = connected_pair(sync=False)
+    lock, rlock = threading.Lock(), threading.RLock()
+    receiver.set_apply_guard(lambda: lock)
+    try:
+        bump(model)
+        handle = sender.send_async()
+        with lock:
+            started = time.monotonic()
+            assert receiver.receive(timeout=0.5) is None
+            assert time.monotonic() - started < 20
+        assert receiver.receive(timeout=30) == 1 and same(local, model) and handle.wait(30) == 1
+        receiver.set_apply_guard(lambda: rlock)
+        bump(model)
+        handle = sender.send_async()
+        with rlock:
+            assert receiver.receive(timeout=30) == 2 and same(local, model)
+        assert handle.wait(30) == 2
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 def test_a_listener_that_raises_in_connect_leaves_the_worker_connected():
     """An apply listener that raises on version 0: connect() raises its error, and the worker is
     connected (it holds version 0, which it acked): receive() takes the next version (before, the

@@ -104,6 +104,7 @@ class Receiver:
         self._kept: tuple[Delivery, Header] | None = None
         #: a receive() waiting to enter ``guard``, and the rest of a shutdown() left to it (``hand_over``)
         self._parked = False
+        self._guard_busy = False  # the last receive kept its version: the apply guard (a lock) was not free in time
         self._handed: Callable[[], None] | None = None
         self._handover = threading.Lock()
         #: threads waiting in ``take_lock``: a thread that just let the lock go does not take it back first
@@ -235,7 +236,14 @@ class Receiver:
             self._refuse_delta(delivery, header, f"holds version {self.version}")
             return None
         retired: list[torch.Tensor] = []  # the memory adopted tensors had: freed after the ack
-        with _SafePoint(self, delivery, header), _interrupts_held():  # its model is not in use in here
+        try:
+            safe_point = _SafePoint(self, delivery, header, deadline)
+            safe_point.__enter__()
+        except _GuardBusy:  # kept for the next receive (``_SafePoint``): nothing applied within the timeout
+            self._guard_busy = True
+            return None
+        self._guard_busy = False
+        with safe_point, _interrupts_held():  # its model is not in use in here
             # a Ctrl-C in here lands once the version is whole, numbered and acked (a model half
             # written when it came kept the other half of the version before, unnumbered, unacked)
             try:
@@ -284,8 +292,8 @@ class Receiver:
                 if self.version >= version:
                     return self.version
             if deadline.expired():
-                parked = (" (another thread's receive() holds a newer one and waits for the apply guard: is it "
-                          "held by the thread waiting?)" if self._parked else "")
+                parked = (" (a newer one waits for the apply guard: is it held by the thread waiting?)"
+                          if self._parked or self._guard_busy else "")
                 raise WorkerTimeoutError(
                     f"worker {self.worker_idx} holds version {self.version}, not {version}, after "
                     f"{deadline.timeout:g} s{parked}", [self.worker_idx])
@@ -507,12 +515,16 @@ class _SafePoint:
     kept for the next receive (``Receiver._kept``), or released and the shutdown finished if one
     began, and the error raised."""
 
-    __slots__ = ("_receiver", "_delivery", "_header", "_guard")
+    __slots__ = ("_receiver", "_delivery", "_header", "_deadline", "_guard", "_entered")
 
-    def __init__(self, receiver: Receiver, delivery: Delivery, header: Header) -> None:
-        self._receiver, self._delivery, self._header = receiver, delivery, header
+    def __init__(self, receiver: Receiver, delivery: Delivery, header: Header, deadline: Deadline) -> None:
+        self._receiver, self._delivery, self._header, self._deadline = receiver, delivery, header, deadline
+        self._entered = False
 
     def __enter__(self) -> None:
+        if self._entered:  # (entered by ``_receive`` first, to tell a busy guard apart)
+            return
+        self._entered = True
         r = self._receiver
         with r._handover:
             r._parked = True
@@ -521,7 +533,14 @@ class _SafePoint:
             if not (hasattr(guard, "__enter__") and hasattr(guard, "__exit__")):
                 raise TypeError(f"the apply guard (set_apply_guard) returned a {type(guard).__name__}, not a context "
                                 f"manager: give it a function that returns one, e.g. lambda: lock")
-            guard.__enter__()
+            if isinstance(guard, _LOCKS):  # a lock: waited for within the receive's timeout, never past it
+                # (a receive() by the thread that holds it would wait for itself); once shutting down, for
+                # as long as it takes (closing gives adopted tensors memory of their own: under the guard)
+                while not guard.acquire(timeout=0.05 if r.closing else self._deadline.slice(0.05)):
+                    if self._deadline.expired() and not r.closing:
+                        raise _GuardBusy()
+            else:
+                guard.__enter__()
         except BaseException:
             finish = self._unpark()
             if r.closing:
@@ -551,6 +570,15 @@ class _SafePoint:
             r._parked = False
             finish, r._handed = r._handed, None
         return finish
+
+
+#: apply guards waited for with the receive's deadline (``acquire(timeout=...)``, released by ``__exit__``)
+_LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Semaphore)
+
+
+class _GuardBusy(Exception):
+    """The apply guard (a lock) was not free within the receive's timeout: the delivery is kept
+    for the next receive, which applies it (or a newer one) once the guard is free."""
 
 
 class _WroteSince(Exception):

@@ -230,13 +230,16 @@ def _extra_state_tensors(module: nn.Module, prefix: str) -> dict[str, torch.Tens
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             out[f"{base}.{key}"] = value.detach()
-        elif isinstance(value, numbers.Real):  # numpy's scalars and IntEnum members too
-            dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, numbers.Integral) \
-                else torch.float64
-            if dtype is torch.int64 and not _INT64_MIN <= int(value) <= _INT64_MAX:
-                raise ValueError(f"{base}.{key}: extra state entry {int(value)} does not fit in a 64-bit integer, "
+        elif isinstance(value, bool):
+            out[f"{base}.{key}"] = torch.tensor(value, dtype=torch.bool)
+        elif isinstance(value, numbers.Integral):  # numpy's integers and IntEnum members too
+            number = int(value)
+            if not _INT64_MIN <= number <= _INT64_MAX:
+                raise ValueError(f"{base}.{key}: extra state entry {number} does not fit in a 64-bit integer, "
                                  f"which is how wsync carries an integer")
-            out[f"{base}.{key}"] = torch.tensor(float(value) if dtype is torch.float64 else int(value), dtype=dtype)
+            out[f"{base}.{key}"] = torch.tensor(number, dtype=torch.int64)
+        elif isinstance(value, numbers.Real):  # numpy's floats too
+            out[f"{base}.{key}"] = torch.tensor(float(value), dtype=torch.float64)
         else:
             raise TypeError(f"{base}.{key}: extra state entry is a {type(value).__name__}; wsync carries "
                             f"tensors and numbers (never pickled)")
