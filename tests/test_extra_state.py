@@ -51,9 +51,10 @@ def test_flatten_carries_extra_state_as_tensors():
         flatten(nn.Sequential(Opaque()))
 
 
-@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
-def test_extra_state_reaches_the_receiver_exactly(strategy):
-    sender, trainer, receiver, worker = connected_pair(model=nn.Sequential(nn.Linear(2, 2), Stats()),
+@pytest.mark.parametrize("strategy, transport", [("tensordict", "inproc"), ("state_dict", "inproc"),
+                                                 ("tensordict", "shm")])
+def test_extra_state_reaches_the_receiver_exactly(strategy, transport):
+    sender, trainer, receiver, worker = connected_pair(transport, model=nn.Sequential(nn.Linear(2, 2), Stats()),
                                                        local=nn.Sequential(nn.Linear(2, 2), Stats()),
                                                        strategy=strategy)
     try:
@@ -132,15 +133,22 @@ class Picky(nn.Module):
         self.steps = state["steps"]
 
 
-def test_an_error_of_the_models_own_code_is_told_to_the_sender():
-    """A worker's set_extra_state that raises: receive() raises it, and the sender is told at once
-    (its send raises naming the worker's error) instead of waiting out its timeout."""
-    sender, trainer, receiver, worker = connected_pair(model=Picky(), local=Picky())
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_an_error_of_the_models_own_code_is_told_to_the_sender_and_writes_nothing(transport):
+    """A worker's set_extra_state that raises: receive() raises it, its model keeps the version it
+    held, weights and extra state (set_extra_state runs before any weight is written; before, the
+    weights of the new version sat beside the old extra state, numbered as the old), and the
+    sender is told at once (its send raises naming the worker's error), not at its timeout."""
+    sender, trainer, receiver, worker = connected_pair(transport, model=Picky(), local=Picky())
     try:
+        held = worker.lin.weight.clone()
+        with torch.no_grad():
+            trainer.lin.weight.add_(1.0)
         trainer.steps = 10
         handle = sender.send_async()
         with pytest.raises(ValueError, match="steps out of range"):
             receiver.receive(timeout=30)
+        assert torch.equal(worker.lin.weight, held) and worker.steps == 0 and receiver.version == 0
         started = time.monotonic()
         with pytest.raises(WsyncError, match="steps out of range"):
             handle.wait(30)

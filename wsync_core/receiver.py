@@ -393,6 +393,8 @@ class Receiver:
                 targets = flatten(self.source, self.strategy, detach=False)
             layout.check_writable(targets, context=where)
         self._check_ties(header, targets, payload, layout, where)
+        if self._extra:  # the model's own code first: a set_extra_state that raises leaves every weight as it was
+            _stage_extra_state(self.source, layout, payload, targets)
         if adoptable and payload.device.type == "cpu":
             release, delivery.release = delivery.release, None
             payload = self._leases.wrap(payload, release)
@@ -401,8 +403,6 @@ class Receiver:
         else:
             adopted = []
             layout.unpack(payload, targets, ready=on_cpu)
-        if self._extra:
-            restore_extra_state(self.source, targets)  # numbers and non-aliasing extra state
         if payload.is_cuda or not on_cpu and any(t.is_cuda for t in targets.values()):
             torch.cuda.synchronize()
         self._as_applied = _as_applied(targets)
@@ -585,6 +585,19 @@ class _WroteSince(Exception):
     """The worker wrote its model (an in-place op on one of its tensors) since the last apply, or
     replaced a tensor: a partial payload would keep what it wrote. Its message, if any, says
     another reason a partial payload cannot be applied."""
+
+
+def _stage_extra_state(source: Weights, layout: Layout, payload: torch.Tensor,
+                       targets: Mapping[str, torch.Tensor]) -> None:
+    """Hand the model's modules their extra state from ``payload`` (``restore_extra_state``) before
+    any weight is written: if one's ``set_extra_state`` raises, those already given theirs get back
+    what they held (``targets``, not written yet) and the error is raised, the model whole."""
+    staged = {e.key: Layout.view(payload, e) for e in layout.entries if EXTRA_STATE in e.key}
+    try:
+        restore_extra_state(source, staged)
+    except BaseException:
+        restore_extra_state(source, targets)
+        raise
 
 
 def _as_applied(targets: Mapping[str, torch.Tensor]) -> list[tuple[int, int, int]]:
