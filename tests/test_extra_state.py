@@ -169,3 +169,23 @@ def test_meta_tensors_in_a_container_that_takes_no_entries_are_refused_at_init(m
     scheme = WeightSyncScheme("inproc")
     with pytest.raises(TypeError, match="meta device"):
         scheme.init_on_receiver(model=model(), worker_idx=0)
+
+
+def test_rebind_of_a_meta_model_gives_it_the_version_held_extra_state_too():
+    """rebind() on a connected worker, of a model built on the meta device: it gets memory and the
+    version the worker holds (it stayed on the meta device, an outside audit), extra state included."""
+    sender, trainer, receiver, worker = connected_pair(model=nn.Sequential(nn.Linear(2, 2), Stats()),
+                                                       local=nn.Sequential(nn.Linear(2, 2), Stats()))
+    try:
+        trainer[1].count, trainer[1].loc = 9, torch.tensor([4.0, 5.0, 6.0])
+        sender.send_async()
+        assert receiver.wait_for_version(1, timeout=30) == 1
+        with torch.device("meta"):
+            moved = nn.Sequential(nn.Linear(2, 2), Stats())
+        moved[1].loc = torch.zeros(3)
+        receiver.rebind(moved)
+        assert not moved[0].weight.is_meta and torch.equal(moved[0].weight, trainer[0].weight)
+        assert moved[1].count == 9 and torch.equal(moved[1].loc, trainer[1].loc)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()

@@ -329,10 +329,15 @@ class Receiver:
         with self.guard():
             if connected:
                 held = flatten(self.source, self.strategy)
+                if meta_keys(targets):  # built on the meta device: memory first, then the version held
+                    materialize(model, device_of(held))
+                    targets = flatten(model, self.strategy, detach=False)
                 with torch.no_grad():
                     for key, t in targets.items():
                         if t.data_ptr() != held[key].data_ptr():
                             t.copy_(held[key])
+                if self._extra:
+                    restore_extra_state(model, held)  # (through set_extra_state, as a version lands)
             self.source = model
 
     def _refuse_delta(self, delivery: Delivery, header: Header, state: str) -> None:
