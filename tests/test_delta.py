@@ -213,6 +213,11 @@ def test_options_are_checked() -> None:
         WeightSyncScheme("inproc", delta=True, delta_bases=0)
     with pytest.raises(ValueError, match="delta_dense"):
         WeightSyncScheme("inproc", delta=True, delta_dense=2.0)
+    for flag in (1, 0, 1.0, "yes"):  # (1 == True: a number was taken as a flag, where sync=1 is refused)
+        with pytest.raises(ValueError, match="delta must be"):
+            WeightSyncScheme("inproc", delta=flag)
+    with pytest.raises(ValueError, match="delta_dense"):
+        WeightSyncScheme("inproc", delta=True, delta_dense=True)
 
 
 def _two_element_delta():

@@ -97,17 +97,18 @@ class WeightSyncScheme:
         **options: Any,
     ) -> None:
         Deadline(timeout)  # validates
-        if delta not in (True, False, "always"):
+        if not (isinstance(delta, bool) or delta == "always"):  # (1 == True: a number is refused, as for sync)
             raise ValueError(f"delta must be True, False or 'always', got {delta!r}")
         if isinstance(delta_bases, bool) or not isinstance(delta_bases, int) or delta_bases < 1:
             raise ValueError(f"delta_bases must be an int >= 1, got {delta_bases!r}")
-        if delta_dense is not None and not (isinstance(delta_dense, (int, float)) and 0 <= delta_dense <= 1):
+        if delta_dense is not None and (isinstance(delta_dense, bool) or not isinstance(delta_dense, (int, float))
+                                        or not 0 <= delta_dense <= 1):
             raise ValueError(f"delta_dense must be a number in [0, 1] or None, got {delta_dense!r}")
         wire = check_wire_dtype(wire_dtype)
         self._transport: Transport = resolve_transport(transport, options)
         self._config: _Config = {"strategy": check_strategy(strategy), "sync": flag("sync", sync),
                         "timeout": float(timeout), "model_id": None, "origin": None,
-                        "delta": delta if delta == "always" else bool(delta),
+                        "delta": delta,
                         "delta_bases": delta_bases, "delta_dense": delta_dense, "wire_dtype": wire}
         self._reset()
 
