@@ -229,6 +229,58 @@ def test_a_heartbeat_key_written_by_someone_else_does_not_end_the_watch(workers)
         scheme.shutdown()
 
 
+def test_garbage_in_a_links_rendezvous_keys_costs_that_link_not_the_worker(workers):
+    """The store takes anyone's writes: a process that overwrites the gloo rendezvous keys of the
+    next links with garbage made gloo raise MemoryError (std::bad_alloc), which ended the worker's
+    receive thread for good (an outside audit: it never took another version). Now a link that
+    fails so is a failed link: once the writes stop, the worker joins again and is updated."""
+    import contextlib
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from wsync_core import Deadline
+    from wsync_core.transport import wait_listening
+
+    scheme, w = _sender(1, "kib10")
+    options = scheme.transport.options
+    stop = threading.Event()
+
+    def connect() -> None:
+        with contextlib.suppress(WorkerTimeoutError):
+            scheme.connect(timeout=8.0)
+
+    connecting = threading.Thread(target=connect, daemon=True)
+    connecting.start()  # (its store listens from the start)
+    assert wait_listening(options["host"], options["port"], Deadline(30), lambda: False)
+    store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
+                                                              timedelta(seconds=10)))
+
+    def garbage() -> None:
+        keys = [f"pg/{n}//{d}/0" for n in range(1, 9) for d in range(2)]
+        while not stop.is_set():
+            store.multi_set(keys, [b"garbage"] * len(keys))
+
+    writer = threading.Thread(target=garbage, daemon=True)
+    writer.start()
+    workers({"options": options, "variant": "kib10", "until": 3, "run_s": 120, "idx": 0, "timeout": 90.0})
+    try:
+        connecting.join(30)
+        stop.set()
+        writer.join(10)
+        sent = None
+        deadline = time.monotonic() + 60.0
+        while sent is None and time.monotonic() < deadline:
+            _fill(w, 1)
+            with contextlib.suppress(WorkerTimeoutError):
+                sent = scheme.send(timeout=10.0)
+        assert sent is not None, "the worker was never updated again once the garbage stopped"
+    finally:
+        stop.set()
+        scheme.shutdown()
+
+
 @pytest.mark.parametrize("variant", ["other"])
 def test_schema_mismatch_raises_on_both_sides(workers, variant):
     scheme, _ = _sender(1)

@@ -440,7 +440,9 @@ class DistributedReceiver(ReceiverBase):
                 wire.wait_works(works, Deadline(self.cfg.timeout), f"link {ctl.group}",
                                 lambda: self.stopped.is_set() or self.evicted == inbox or self._cut_off(),
                                 self.device.type == "cuda")
-        except (RuntimeError, TransportError) as exc:
+        except Exception as exc:  # gloo's errors, and what a garbage rendezvous key written to the store
+            # by anyone makes it raise (MemoryError: std::bad_alloc): the link failed, join again (before,
+            # it ended the receive thread: the worker never took another version)
             error = wire.brief(exc)  # a string: the traceback would keep the works alive in this thread
         if error:
             self._drop_link(slot, works)

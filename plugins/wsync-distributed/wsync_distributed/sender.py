@@ -535,8 +535,8 @@ class DistributedSender(SenderBase):
                     store.queue_push(inbox, wire.encode_control(wire.Control(kind="commit", seq=job.seq), header))
             wire.wait_works(works, deadline, f"sending to worker {lane.worker}", lambda: lane.gone or self.closing,
                             cuda)
-        except (RuntimeError, TransportError) as exc:
-            broken, lane.group = lane.group, None
+        except Exception as exc:  # gloo's errors, and what a garbage rendezvous key in the store makes it
+            broken, lane.group = lane.group, None  # raise (MemoryError: std::bad_alloc): the link failed
             wire.abort(broken)
             wire.settle(works, self.cfg.timeout)  # gloo may still read the buffer until its works end
             raise TransportError(f"link {lane.link}: {wire.brief(exc)}") from exc
