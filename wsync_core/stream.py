@@ -989,7 +989,6 @@ class StreamReceiver(_Loop, ReceiverBase):
             pass
 
     def _live(self, conn: _Conn) -> None:
-        self._cut_short = False
         if not self._broken:  # (one out of step waits longer each time, until a delivery comes whole)
             self._broken_delay = _BROKEN_DELAY_S
         conn.stage, conn.reader.accept = "live", frozenset({Kind.DELIVER, Kind.PING, Kind.BYE, Kind.CHALLENGE,

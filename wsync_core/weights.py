@@ -144,10 +144,10 @@ def check_holds_writes(weights: Any) -> None:
     the first payload, ``materialize``) in a locked TensorDict or a read-only mapping."""
     frozen = _frozen_with_meta(weights)
     if frozen is not None:
-        raise TypeError(f"{frozen} holds tensors on the meta device, which get memory from the first version by "
-                        f"replacing its entries, and it takes no new entries: "
-                        f"{'unlock it (unlock_())' if 'locked' in frozen else 'pass a dict'}, or build the "
-                        f"tensors on a real device")
+        where, fix = frozen
+        raise TypeError(f"{where} holds tensors on the meta device, which get memory from the first version by "
+                        f"replacing its entries, and it takes no new entries: {fix}, or build the tensors on a "
+                        f"real device")
     if not is_tensordict(weights):
         return
     lazy = [""] if weights._lazy else []
@@ -160,19 +160,19 @@ def check_holds_writes(weights: Any) -> None:
                         f"(e.g. its .contiguous()) to receive into")
 
 
-def _frozen_with_meta(weights: Any, where: str = "the model") -> str | None:
+def _frozen_with_meta(weights: Any, where: str = "the model") -> tuple[str, str] | None:
     """Where ``weights`` (a TensorDict or a mapping, nested) holds meta tensors in a container that
-    takes no new entries (a locked TensorDict, a read-only mapping): its description, or None."""
+    takes no new entries (a locked TensorDict, a read-only mapping), and what to do: or None."""
     if is_tensordict(weights):
         if weights.is_locked and any(isinstance(t, torch.Tensor) and t.is_meta
                                      for t in weights.values(include_nested=True, leaves_only=True)):
-            return f"{where} (a locked TensorDict)"
+            return f"{where} (a locked TensorDict)", "unlock it (unlock_())"
         return None
     if isinstance(weights, nn.Module) or not isinstance(weights, Mapping):
         return None
     for key, value in weights.items():
         if isinstance(value, torch.Tensor) and value.is_meta and not isinstance(weights, MutableMapping):
-            return f"{where} (a {type(weights).__name__}, read-only)"
+            return f"{where} (a {type(weights).__name__}, read-only)", "pass a dict"
         if isinstance(value, Mapping) or is_tensordict(value):
             inner = _frozen_with_meta(value, f"the model's entry {key!r}")
             if inner is not None:

@@ -177,6 +177,12 @@ def _init_dist_autograd(rank: int) -> None:
             raise
 
 
+def _store_wait(seconds: float) -> timedelta:
+    """``seconds`` as a store's wait: at least 50 ms, at most a day (``math.inf``, the documented
+    "forever", is more than a timedelta can hold: OverflowError)."""
+    return timedelta(seconds=max(0.05, min(seconds, 86400.0)))
+
+
 def _start_agent(store: dist.Store, name: str, rank: int, world: int, opts: rpc.TensorPipeRpcBackendOptions) -> None:
     """``rpc.init_rpc`` for a static CPU group, without its warm-up round: that round is a Python
     UDF every peer unpickles, and wsync's own first message (a worker's join) warms the channels.
@@ -225,7 +231,7 @@ class _Agent:
         except TransportError:
             self.close()
             raise
-        wait = timedelta(seconds=max(0.05, min(deadline.remaining(), 86400.0)))
+        wait = _store_wait(deadline.remaining())
         master = rank == 0
         if master:
             forked.watch(self)  # a forked child lets go of its copies of the store's sockets
@@ -283,7 +289,7 @@ class _Agent:
         # TCP only: TensorPipe's shm transport polls without sleeping (most of a core per idle process)
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=self.timeout, init_method=f"tcp://{self.host}:{self.port}",
                                                _transports=["uv"])
-        wait = timedelta(seconds=max(0.05, min(wait_s, 86400.0)))  # (math.inf: a timedelta cannot hold it)
+        wait = _store_wait(wait_s)
         own.set_timeout(wait)
         _init_dist_autograd(self.rank)
         try:
