@@ -229,6 +229,42 @@ def test_a_heartbeat_key_written_by_someone_else_does_not_end_the_watch(workers)
         scheme.shutdown()
 
 
+def test_a_join_anyone_pushes_for_an_unused_index_does_not_stall_the_watch(workers):
+    """The store takes anyone's writes: a JOIN pushed for an index no worker holds (worker 1 died,
+    its heartbeat key deleted) made a lane whose heartbeat key never existed, and the sender's
+    watch waited on it for the store's hour (an outside audit): no silent worker was given up
+    again. Now that lane counts as silent ("no heartbeat key"), and a stopped worker 0 is named
+    within its heartbeat_timeout as before."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from wsync_distributed import wire
+
+    scheme, w = _sender(2, "kib10")
+    options = scheme.transport.options
+    config = {"options": options, "variant": "kib10", "until": 1000, "run_s": 120}
+    procs = [workers({**config, "idx": i}) for i in range(2)]
+    try:
+        scheme.connect()
+        _kill(procs[1])
+        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
+                                                                  timedelta(seconds=10)))
+        store.delete_key(wire.heartbeat_key(1))
+        join = json.dumps({"inbox": "f" * 32, "nbytes": scheme._role.layout.nbytes, "origin": ""}).encode()
+        store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, 1, join))
+        time.sleep(HEARTBEAT / 2)  # (the sender reads it: its watch now has a lane with no key)
+        procs[0].proc.send_signal(signal.SIGSTOP)
+        _fill(w, 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            scheme.send(timeout=SEND_TIMEOUT)
+        assert info.value.workers == [0, 1] and time.monotonic() - t0 < SEND_TIMEOUT / 2, info.value
+    finally:
+        procs[0].proc.send_signal(signal.SIGCONT)
+        scheme.shutdown()
+
+
 def test_garbage_in_a_links_rendezvous_keys_costs_that_link_not_the_worker(workers):
     """The store takes anyone's writes: a process that overwrites the gloo rendezvous keys of the
     next links with garbage made gloo raise MemoryError (std::bad_alloc), which ended the worker's

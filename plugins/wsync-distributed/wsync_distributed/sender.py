@@ -57,6 +57,8 @@ log = logging.getLogger("wsync.distributed")
 _LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
 _HEARTBEAT_CHECK_S = 0.25
+#: the longest one read of the heartbeats waits (a key deleted between its check and its read)
+_READ_S = timedelta(seconds=5)
 #: the core reports progress (``ready``) at least this many times per bucket
 _READY_PER_BUCKET = 2
 #: the first bucket's size at most: a stream starts sending once this much is copied (later
@@ -147,8 +149,8 @@ class DistributedSender(SenderBase):
         self.store, self.sock = wire.listen(self.cfg)
         forked.watch(self)
         self.marks = wire.clone(self.store, timedelta(seconds=self.cfg.timeout))
-        for target, name in ((self._read_events, "events"), (self._watch, "watch")):
-            thread = threading.Thread(target=target, args=(wire.clone(self.store),),
+        for target, name, wait in ((self._read_events, "events", wire.POP_TIMEOUT), (self._watch, "watch", _READ_S)):
+            thread = threading.Thread(target=target, args=(wire.clone(self.store, wait),),
                                       name=f"wsync-distributed-{name}", daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -368,17 +370,17 @@ class DistributedSender(SenderBase):
             if not lanes:
                 continue
             try:
-                values = store.multi_get([wire.heartbeat_key(lane.worker) for lane in lanes])
+                values = _heartbeats(store, [wire.heartbeat_key(lane.worker) for lane in lanes])
             except RuntimeError as exc:
                 log.warning("distributed sender: cannot read heartbeats: %s", wire.brief(exc))
                 continue
             now = time.monotonic()
             for lane, value in zip(lanes, values):
-                count = _count(value)  # None: something else wrote the key (the store takes anyone's writes)
+                count = _count(value)  # None: no key, or something else wrote it (the store takes anyone's writes)
                 if count is not None and count != lane.beats:
                     lane.beats, lane.seen = count, now
                 elif now - lane.seen > self.cfg.heartbeat_timeout:
-                    what = ("no heartbeat" if count is not None
+                    what = ("no heartbeat" if count is not None else "no heartbeat key" if value is None
                             else f"its heartbeat key holds {bytes(value)[:40]!r}, no count,")
                     self._lose(lane, f"{what} for {now - lane.seen:.1f} s (heartbeat_timeout="
                                      f"{self.cfg.heartbeat_timeout:g}); the worker died, hangs or is cut off", store)
@@ -569,8 +571,20 @@ class DistributedSender(SenderBase):
                 self.cond.wait(deadline.slice(1.0))
 
 
-def _count(value: bytes) -> int | None:
+def _heartbeats(store: dist.Store, keys: list[str]) -> list[bytes | None]:
+    """Each heartbeat key's value, None where the key does not exist (a lane whose worker never
+    beat: e.g. a JOIN anyone pushed for an unused index). A store's ``get`` waits for a missing
+    key, so only keys that exist are read. Raises RuntimeError if the store does not answer
+    within the client's timeout."""
+    if store.check(keys):  # the common case: every worker has beaten
+        return list(store.multi_get(keys))
+    return [store.get(key) if store.check([key]) else None for key in keys]
+
+
+def _count(value: bytes | None) -> int | None:
     """A heartbeat key's value as the count a worker's ``store.add`` keeps, or None if it is not one."""
+    if value is None:
+        return None
     try:
         return int(value)
     except ValueError:
