@@ -265,6 +265,43 @@ def test_a_join_anyone_pushes_for_an_unused_index_does_not_stall_the_watch(worke
         scheme.shutdown()
 
 
+def test_a_flood_of_joins_costs_a_bounded_number_of_threads(workers):
+    """The store takes anyone's writes: each JOIN pushed under a worker's index started a lane
+    thread whose link set-up waited out the timeout for a peer that never came, with a store
+    client and gloo's sockets each (an outside audit: a JOIN every 10 ms held 340 threads and
+    2,800 descriptors). Now an index has at most three lane threads at once (a newer join waits
+    for one to end), and the other worker is updated throughout."""
+    import json
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from wsync_distributed import wire
+
+    scheme, w = _sender(2, "kib10")
+    options = scheme.transport.options
+    config = {"options": options, "variant": "kib10", "until": 1000, "run_s": 120}
+    for i in range(2):
+        workers({**config, "idx": i})
+    try:
+        scheme.connect()
+        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
+                                                                  timedelta(seconds=10)))
+        nbytes = scheme._role.layout.nbytes
+        most = 0
+        for i in range(200):
+            join = json.dumps({"inbox": f"{i:032x}", "nbytes": nbytes, "origin": ""}).encode()
+            store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, 1, join))
+            time.sleep(0.005)
+            most = max(most, sum(t.name == "wsync-distributed-lane-1" for t in threading.enumerate()))
+            if i % 50 == 49:
+                _fill(w, i // 50 + 1)
+                assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == i // 50 + 1
+        assert most <= 3, f"{most} lane threads for worker 1 at once"
+    finally:
+        scheme.shutdown()
+
+
 def test_garbage_in_a_links_rendezvous_keys_costs_that_link_not_the_worker(workers):
     """The store takes anyone's writes: a process that overwrites the gloo rendezvous keys of the
     next links with garbage made gloo raise MemoryError (std::bad_alloc), which ended the worker's

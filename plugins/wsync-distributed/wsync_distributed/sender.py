@@ -53,6 +53,11 @@ __all__ = ["DistributedSender"]
 
 log = logging.getLogger("wsync.distributed")
 
+#: lane threads (links) one worker index may have running at once, its current one and those
+#: given up but still ending (a link's set-up to a peer that never comes waits out ``timeout``):
+#: a join beyond it waits for one to end, so a flood of joins from anyone who reaches the store
+#: costs a bounded number of threads and sockets
+_LANES_PER_WORKER = 3
 #: how long ``close`` waits for each lane's thread (one aborting a link to a dead peer may take longer)
 _LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
@@ -131,6 +136,8 @@ class DistributedSender(SenderBase):
             self.first_bytes = min(cfg.bucket_bytes, _FIRST_BUCKET)
             self.stream_bytes = max(1, min(cfg.bucket_bytes // _READY_PER_BUCKET, self.first_bytes))
         self.lanes: dict[int, _Lane] = {}
+        self.running: dict[int, int] = {}  # worker index -> its lane threads not ended yet
+        self.waiting: dict[int, tuple[str, int]] = {}  # worker index -> (inbox, nbytes) of a join held back
         self.links = 0  # links named so far (each name is used once)
         self.seq = 0
         self.seqs: dict[int, int] = {}  # buffer index -> seq of its contents
@@ -316,6 +323,7 @@ class DistributedSender(SenderBase):
         lane.thread = threading.Thread(target=self._run_lane, args=(lane,), name=f"wsync-distributed-lane-{w}",
                                        daemon=True)
         self.lanes[w] = lane
+        self.running[w] = self.running.get(w, 0) + 1
         lane.thread.start()
         self.emit(Joined(w))
 
@@ -452,8 +460,15 @@ class DistributedSender(SenderBase):
                     log.debug("distributed sender: could not tell worker %d it was refused: %s", w, wire.brief(exc))
                 return
             with self.cond:
-                if not self.closing:
-                    self._join(w, inbox, nbytes)
+                if self.closing:
+                    return
+                if self.running.get(w, 0) >= _LANES_PER_WORKER:
+                    if w not in self.waiting:
+                        log.warning("distributed sender: worker %d joined again while %d of its links are still "
+                                    "ending; the newest join waits for one (a flood of joins?)", w, self.running[w])
+                    self.waiting[w] = (inbox, nbytes)
+                    return
+                self._join(w, inbox, nbytes)
         elif kind in (wire.ACK, wire.LEAVE):
             inbox, data = wire.split_inbox(data)
             with self.cond:
@@ -469,7 +484,18 @@ class DistributedSender(SenderBase):
 
     # -- a lane ----------------------------------------------------------------------------
     def _run_lane(self, lane: _Lane) -> None:
-        """Send ``lane``'s jobs one at a time until it is retired; give its worker up if its link fails."""
+        """Send ``lane``'s jobs one at a time until it is retired; give its worker up if its link
+        fails. At its end, a join of its worker held back (``_LANES_PER_WORKER``) is taken."""
+        try:
+            self._send_jobs(lane)
+        finally:
+            with self.cond:
+                self.running[lane.worker] -= 1
+                held = self.waiting.pop(lane.worker, None)
+                if held is not None and not self.closing:
+                    self._join(lane.worker, *held)
+
+    def _send_jobs(self, lane: _Lane) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
