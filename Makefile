@@ -11,6 +11,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROJECTS := . conformance benchmarks $(sort $(dir $(wildcard plugins/*/pyproject.toml contrib/*/pyproject.toml)))
 PYTEST_ARGS ?=
+# test processes (pytest-xdist, each test file whole in one of them): most tests wait on timeouts,
+# peers and sockets, so two processes on two cores take about two thirds of one's time; JOBS=0 runs
+# everything in this process
+JOBS ?= 2
 
 .PHONY: setup demo test bench clean
 setup: $(VENV)/.installed
@@ -27,7 +31,7 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/wsync bench --transports shm,mp --sizes 1MiB,16MiB --workers 2 --compare torchrl --json b.json --plot b.png
