@@ -53,11 +53,11 @@ __all__ = ["DistributedSender"]
 
 log = logging.getLogger("wsync.distributed")
 
-#: lane threads (links) one worker index may have running at once, its current one and those
-#: given up but still ending (a link's set-up to a peer that never comes waits out ``timeout``):
-#: a join beyond it waits for one to end, so a flood of joins from anyone who reaches the store
-#: costs a bounded number of threads and sockets
-_LANES_PER_WORKER = 3
+#: links one worker index may have in set-up at once, its current lane's and those of lanes given
+#: up meanwhile (a set-up waits for its peer until gloo's connect bound): a join beyond it waits
+#: until one set-up ends, so a flood of joins from anyone who reaches the store costs a bounded
+#: number of threads and sockets (a worker that rejoins waits at most one connect bound)
+_SETUPS_PER_WORKER = 3
 #: how long ``close`` waits for each lane's thread (one aborting a link to a dead peer may take longer)
 _LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
@@ -111,6 +111,7 @@ class _Lane:
     beats: int = -1
     seen: float = field(default_factory=time.monotonic)
     gone: bool = False
+    setting_up: bool = False  # its thread is making its link (waiting for the worker's side)
     thread: threading.Thread | None = None
 
 
@@ -136,7 +137,7 @@ class DistributedSender(SenderBase):
             self.first_bytes = min(cfg.bucket_bytes, _FIRST_BUCKET)
             self.stream_bytes = max(1, min(cfg.bucket_bytes // _READY_PER_BUCKET, self.first_bytes))
         self.lanes: dict[int, _Lane] = {}
-        self.running: dict[int, int] = {}  # worker index -> its lane threads not ended yet
+        self.running: dict[int, set[_Lane]] = {}  # worker index -> its lanes whose thread has not ended
         self.waiting: dict[int, tuple[str, int]] = {}  # worker index -> (inbox, nbytes) of a join held back
         self.links = 0  # links named so far (each name is used once)
         self.seq = 0
@@ -323,7 +324,7 @@ class DistributedSender(SenderBase):
         lane.thread = threading.Thread(target=self._run_lane, args=(lane,), name=f"wsync-distributed-lane-{w}",
                                        daemon=True)
         self.lanes[w] = lane
-        self.running[w] = self.running.get(w, 0) + 1
+        self.running.setdefault(w, set()).add(lane)
         lane.thread.start()
         self.emit(Joined(w))
 
@@ -462,10 +463,10 @@ class DistributedSender(SenderBase):
             with self.cond:
                 if self.closing:
                     return
-                if self.running.get(w, 0) >= _LANES_PER_WORKER:
+                if self._setups(w) >= _SETUPS_PER_WORKER:
                     if w not in self.waiting:
-                        log.warning("distributed sender: worker %d joined again while %d of its links are still "
-                                    "ending; the newest join waits for one (a flood of joins?)", w, self.running[w])
+                        log.warning("distributed sender: worker %d joined again while %d of its links are being set "
+                                    "up; the newest join waits for one (a flood of joins?)", w, self._setups(w))
                     self.waiting[w] = (inbox, nbytes)
                     return
                 self._join(w, inbox, nbytes)
@@ -484,16 +485,23 @@ class DistributedSender(SenderBase):
 
     # -- a lane ----------------------------------------------------------------------------
     def _run_lane(self, lane: _Lane) -> None:
-        """Send ``lane``'s jobs one at a time until it is retired; give its worker up if its link
-        fails. At its end, a join of its worker held back (``_LANES_PER_WORKER``) is taken."""
+        """Send ``lane``'s jobs one at a time until it is retired; give its worker up if its link fails."""
         try:
             self._send_jobs(lane)
         finally:
             with self.cond:
-                self.running[lane.worker] -= 1
-                held = self.waiting.pop(lane.worker, None)
-                if held is not None and not self.closing:
-                    self._join(lane.worker, *held)
+                self.running[lane.worker].discard(lane)
+                self._take_held(lane.worker)
+
+    def _setups(self, w: int) -> int:
+        """How many of worker ``w``'s lanes are setting up their link (caller holds ``cond``)."""
+        return sum(lane.setting_up for lane in self.running.get(w, ()))
+
+    def _take_held(self, w: int) -> None:
+        """Take worker ``w``'s join held back (``_SETUPS_PER_WORKER``), if any, once fewer of its
+        links are being set up (caller holds ``cond``)."""
+        if w in self.waiting and not self.closing and self._setups(w) < _SETUPS_PER_WORKER:
+            self._join(w, *self.waiting.pop(w))
 
     def _send_jobs(self, lane: _Lane) -> None:
         if self.device.type == "cuda":
@@ -545,7 +553,14 @@ class DistributedSender(SenderBase):
         try:
             if lane.group is None:
                 t0 = time.monotonic()
-                group = wire.new_group(self.cfg, store, lane.link, 0)
+                with self.cond:
+                    lane.setting_up = True
+                try:
+                    group = wire.new_group(self.cfg, store, lane.link, 0)
+                finally:
+                    with self.cond:
+                        lane.setting_up = False
+                        self._take_held(lane.worker)
                 with self.cond:
                     if lane.gone:  # given up while the link was being made
                         wire.abort(group)
