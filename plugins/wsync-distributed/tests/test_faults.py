@@ -269,8 +269,9 @@ def test_a_flood_of_joins_costs_a_bounded_number_of_threads(workers):
     """The store takes anyone's writes: each JOIN pushed under a worker's index started a lane
     thread whose link set-up waited out the timeout for a peer that never came, with a store
     client and gloo's sockets each (an outside audit: a JOIN every 10 ms held 340 threads and
-    2,800 descriptors). Now an index has at most three links in set-up at once (a newer join
-    waits for one to end), so a few lane threads, and the other worker is updated throughout."""
+    2,800 descriptors). Now an index has at most 16 links in set-up at once (a newer join waits
+    for one to end), so a bounded number of lane threads, and the other worker is updated
+    throughout."""
     import json
     import threading
     from datetime import timedelta
@@ -299,7 +300,7 @@ def test_a_flood_of_joins_costs_a_bounded_number_of_threads(workers):
             if i % 50 == 49:
                 _fill(w, i // 50 + 1)
                 assert scheme.send(worker_ids=[0], timeout=SEND_TIMEOUT) == i // 50 + 1
-        assert most <= 6, f"{most} lane threads for worker 1 at once"  # 3 set-ups, the current lane, some ending
+        assert most <= 20, f"{most} lane threads for worker 1 at once"  # 16 set-ups, the current lane, some ending
     finally:
         scheme.shutdown()
 

@@ -54,10 +54,11 @@ __all__ = ["DistributedSender"]
 log = logging.getLogger("wsync.distributed")
 
 #: links one worker index may have in set-up at once, its current lane's and those of lanes given
-#: up meanwhile (a set-up waits for its peer until gloo's connect bound): a join beyond it waits
-#: until one set-up ends, so a flood of joins from anyone who reaches the store costs a bounded
-#: number of threads and sockets (a worker that rejoins waits at most one connect bound)
-_SETUPS_PER_WORKER = 3
+#: up meanwhile (a set-up waits for its peer until gloo gives up connecting, which under load or
+#: with garbage rendezvous keys takes tens of seconds): a join beyond it waits until one set-up
+#: ends, so a flood of joins from anyone who reaches the store costs a bounded number of threads
+#: and sockets. A worker restarting in a loop, or one whose links fail, stays far below it.
+_SETUPS_PER_WORKER = 16
 #: how long ``close`` waits for each lane's thread (one aborting a link to a dead peer may take longer)
 _LANE_JOIN_S = 5.0
 #: how often the watcher reads the heartbeats
