@@ -224,6 +224,18 @@ class TestHang(TransportSuite):
 
     def test_runs_after_the_hang(self) -> None:
         time.sleep(4)  # longer than the watchdog's grace: a watchdog left running ends the process
+
+    def test_fails_and_is_reported_slowly(self) -> None:
+        assert False, "fails"
+'''
+
+_SLOW_REPORT = '''
+import time
+
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and item.name == "test_fails_and_is_reported_slowly":
+        time.sleep(4)  # as formatting a failure can take on a loaded machine: past the test's budget
 '''
 
 
@@ -240,3 +252,19 @@ def test_a_hang_in_a_fixtures_teardown_stops_the_watchdog_with_the_test(tmp_path
     assert proc.returncode == 1, out[-4000:]
     assert "ERROR test_hang.py::TestHang::test_hangs_in_teardown" in out and "ran past its budget" in out, out[-4000:]
     assert "PASSED test_hang.py::TestHang::test_runs_after_the_hang" in out, out[-4000:]
+
+
+def test_the_watchdog_neither_counts_nor_interrupts_the_making_of_a_report(tmp_path: Path) -> None:
+    """pytest formats a failure (reading source files) after the test's call: on a loaded machine
+    that took long enough for the budget to run out, and the Hung raised inside pytest's
+    report hooks was an internal error (exit status 3, in CI: a tooth's run failed so). Now the
+    report's making does not count, and the test fails as it failed."""
+    (tmp_path / "test_hang.py").write_text(_HANG_IN_TEARDOWN)
+    (tmp_path / "conftest.py").write_text(_SLOW_REPORT)
+    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="1", WSYNC_CONFORMANCE_GRACE="0.5")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
+                           "-k", "fails_and_is_reported_slowly"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "INTERNALERROR" not in out, out[-4000:]
+    assert "FAILED test_hang.py::TestHang::test_fails_and_is_reported_slowly" in out, out[-4000:]

@@ -3,6 +3,8 @@ marker and the hypothesis profiles. It changes nothing else in a pytest run."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from . import profiles
@@ -84,10 +86,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A test whose watchdog fired fails under "live" with the watchdog's finding first, whatever
-    error the interrupted test raised next."""
-    outcome = yield
-    report = outcome.get_result()
+    error the interrupted test raised next. The watchdog neither counts nor interrupts the
+    making of the report (``Watchdog.reporting``)."""
     dog = getattr(item, "wsync_watchdog", None)
+    with dog.reporting() if dog is not None else contextlib.nullcontext():
+        outcome = yield
+    report = outcome.get_result()
     message = dog.message if dog is not None else None
     if message and report.failed and not getattr(item, "wsync_hung_reported", False):
         setattr(item, "wsync_hung_reported", True)  # (an attribute of wsync's own on pytest's item)

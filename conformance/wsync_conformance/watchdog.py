@@ -125,6 +125,7 @@ class Watchdog:
         self.used = 0.0
         self._since: float | None = None
         self._pauses = 0
+        self._quiet = 0  # inside ``reporting()``: a Hung due waits for its end
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._fired: list[str] = []
@@ -163,6 +164,19 @@ class Watchdog:
                 if self._pauses == 0 and not self._done.is_set():
                     self._since = time.monotonic()
 
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """pytest makes the test's report in the block: its time does not count (formatting a
+        failure reads source files, slow on a loaded machine), and no Hung is raised in it (in
+        pytest's own hooks it would be an internal error, not the test's failure): the watch
+        sends a Hung due again after the block (``GRACE_S`` apart)."""
+        with self.paused():
+            self._quiet += 1
+            try:
+                yield
+            finally:
+                self._quiet -= 1
+
     # -- start and stop -------------------------------------------------------------------------
     def start(self) -> Watchdog:
         if threading.current_thread() is not threading.main_thread():
@@ -186,7 +200,7 @@ class Watchdog:
 
     # -- the watch ------------------------------------------------------------------------------
     def _interrupt(self, signum, frame) -> None:
-        if self._fired and not self._done.is_set() and not self._delivered:
+        if self._fired and not self._done.is_set() and not self._delivered and not self._quiet:
             self._delivered = True  # once: a second Hung would land in the test's teardown or report
             raise Hung(self._fired[-1])
 
