@@ -239,17 +239,22 @@ def pytest_runtest_makereport(item, call):
 '''
 
 
+def _run_hang_file(tmp_path: Path, selection: str) -> tuple[int, str]:
+    """Run the tests of ``tmp_path/test_hang.py`` that ``-k selection`` picks, in a pytest of their
+    own with a short budget and grace; its exit status and output."""
+    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="1", WSYNC_CONFORMANCE_GRACE="0.5")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
+                           "-k", selection], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def test_a_hang_in_a_fixtures_teardown_stops_the_watchdog_with_the_test(tmp_path: Path) -> None:
     """A Hung raised in one fixture's teardown makes pytest skip the finalizers after it, the
     budget's own among them: the watchdog still stops when the test's teardown ends, so the next
     test runs to its end instead of the process ending with the hung status."""
     (tmp_path / "test_hang.py").write_text(_HANG_IN_TEARDOWN)
-    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="1", WSYNC_CONFORMANCE_GRACE="0.5")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
-                           "-k", "hangs_in_teardown or runs_after_the_hang"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-4000:]
+    returncode, out = _run_hang_file(tmp_path, "hangs_in_teardown or runs_after_the_hang")
+    assert returncode == 1, out[-4000:]
     assert "ERROR test_hang.py::TestHang::test_hangs_in_teardown" in out and "ran past its budget" in out, out[-4000:]
     assert "PASSED test_hang.py::TestHang::test_runs_after_the_hang" in out, out[-4000:]
 
@@ -261,10 +266,6 @@ def test_the_watchdog_neither_counts_nor_interrupts_the_making_of_a_report(tmp_p
     report's making does not count, and the test fails as it failed."""
     (tmp_path / "test_hang.py").write_text(_HANG_IN_TEARDOWN)
     (tmp_path / "conftest.py").write_text(_SLOW_REPORT)
-    env = dict(os.environ, WSYNC_CONFORMANCE_WORK="1", WSYNC_CONFORMANCE_GRACE="0.5")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "test_hang.py", "-p", "no:cacheprovider", "-rA",
-                           "-k", "fails_and_is_reported_slowly"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and "INTERNALERROR" not in out, out[-4000:]
+    returncode, out = _run_hang_file(tmp_path, "fails_and_is_reported_slowly")
+    assert returncode == 1 and "INTERNALERROR" not in out, out[-4000:]
     assert "FAILED test_hang.py::TestHang::test_fails_and_is_reported_slowly" in out, out[-4000:]

@@ -46,6 +46,16 @@ def _sender(n: int, variant: str = "base", **options):
     return scheme, w
 
 
+def _store(options: dict):
+    """A client of the sender's store, as any process that reaches its port can open one."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
+                                                             timedelta(seconds=10)))
+
+
 def _fill(w: dict[str, torch.Tensor], v: int) -> None:
     for t in w.values():
         t.fill_(v)
@@ -203,9 +213,7 @@ def test_a_heartbeat_key_written_by_someone_else_does_not_end_the_watch(workers)
     and no silent worker was ever given up again. Now a stopped worker is named within its
     heartbeat_timeout as before, its key's value quoted."""
     import threading
-    from datetime import timedelta
 
-    import torch.distributed as dist
     from wsync_distributed import wire
 
     scheme, w = _sender(1, "kib10")
@@ -213,8 +221,7 @@ def test_a_heartbeat_key_written_by_someone_else_does_not_end_the_watch(workers)
     proc = workers({"options": options, "variant": "kib10", "until": 1, "run_s": 120, "idx": 0})
     try:
         scheme.connect()
-        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
-                                                                  timedelta(seconds=10)))
+        store = _store(options)
         store.set(wire.heartbeat_key(0), b"not-a-number")
         time.sleep(3 * HEARTBEAT)
         assert any(t.name == "wsync-distributed-watch" for t in threading.enumerate())
@@ -236,9 +243,7 @@ def test_a_join_anyone_pushes_for_an_unused_index_does_not_stall_the_watch(worke
     again. Now that lane counts as silent ("no heartbeat key"), and a stopped worker 0 is named
     within its heartbeat_timeout as before."""
     import json
-    from datetime import timedelta
 
-    import torch.distributed as dist
     from wsync_distributed import wire
 
     scheme, w = _sender(2, "kib10")
@@ -248,8 +253,7 @@ def test_a_join_anyone_pushes_for_an_unused_index_does_not_stall_the_watch(worke
     try:
         scheme.connect()
         _kill(procs[1])
-        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
-                                                                  timedelta(seconds=10)))
+        store = _store(options)
         store.delete_key(wire.heartbeat_key(1))
         join = json.dumps({"inbox": "f" * 32, "nbytes": scheme._role.layout.nbytes, "origin": ""}).encode()
         store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, 1, join))
@@ -274,9 +278,7 @@ def test_a_flood_of_joins_costs_a_bounded_number_of_threads(workers):
     throughout."""
     import json
     import threading
-    from datetime import timedelta
 
-    import torch.distributed as dist
     from wsync_distributed import wire
 
     scheme, w = _sender(2, "kib10")
@@ -286,8 +288,7 @@ def test_a_flood_of_joins_costs_a_bounded_number_of_threads(workers):
         workers({**config, "idx": i})
     try:
         scheme.connect()
-        store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
-                                                                  timedelta(seconds=10)))
+        store = _store(options)
         nbytes = scheme._role.layout.nbytes
         earlier = set(threading.enumerate())  # (a lane of an earlier test may still be ending)
         most = 0
@@ -312,9 +313,7 @@ def test_garbage_in_a_links_rendezvous_keys_costs_that_link_not_the_worker(worke
     fails so is a failed link: once the writes stop, the worker joins again and is updated."""
     import contextlib
     import threading
-    from datetime import timedelta
 
-    import torch.distributed as dist
 
     from wsync_core import Deadline
     from wsync_core.transport import wait_listening
@@ -330,8 +329,7 @@ def test_garbage_in_a_links_rendezvous_keys_costs_that_link_not_the_worker(worke
     connecting = threading.Thread(target=connect, daemon=True)
     connecting.start()  # (its store listens from the start)
     assert wait_listening(options["host"], options["port"], Deadline(30), lambda: False)
-    store = dist.PrefixStore(options["prefix"], dist.TCPStore(options["host"], options["port"], None, False,
-                                                              timedelta(seconds=10)))
+    store = _store(options)
 
     def garbage() -> None:
         keys = [f"pg/{n}//{d}/0" for n in range(1, 9) for d in range(2)]
