@@ -316,3 +316,56 @@ def test_close_or_wake_ends_the_wait_for_the_newest() -> None:
     threading.Timer(0.1, r.wake).start()
     assert r.recv(Deadline(math.inf)).header == b"4"  # woken: what arrived
     r.close()
+
+
+class Stuck(Receiver):
+    """A receiver whose question to its sender blocks (a client on a cut link) until ``unblock``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        self.unblock = threading.Event()
+
+    def newest_published(self, deadline: Deadline) -> int | None:
+        self.asked += 1
+        self.unblock.wait(60)
+        return 9
+
+
+def _probe_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wsync-probe")]
+
+
+def test_a_probe_blocked_on_a_cut_link_holds_no_recv_past_its_deadline() -> None:
+    """The question blocks (a store client on a cut link waits for TCP to give up: it made a
+    distributed worker's ``receive(timeout=0.5)`` take 5.5 s): recv returns what arrived at its
+    deadline; while that call is out, a later recv asks nothing and returns at once; once it
+    returns, the next recv asks again; close ends the probe thread."""
+    r = Stuck()
+    r.open(Deadline(1))
+    r.put(_numbered(4), 4)
+    t0 = time.monotonic()
+    assert r.recv(Deadline(0.3)).header == b"4"
+    assert time.monotonic() - t0 < 10 and r.asked == 1  # (it took 60 s: the plugin's own bound)
+    r.put(_numbered(5), 5)
+    t0 = time.monotonic()
+    assert r.recv(Deadline(30)).header == b"5"  # the first call is still out: no second one
+    assert time.monotonic() - t0 < 10 and r.asked == 1
+    r.unblock.set()
+    r.put(_numbered(9), 9)
+    deadline = time.monotonic() + 10
+    while r._asking is not None and time.monotonic() < deadline:  # (the first call's answer, 9, came late)
+        time.sleep(0.01)
+    assert r.recv(Deadline(30)).header == b"9" and r.asked == 2
+    assert len(_probe_threads()) == 1
+    r.close()
+    assert _probe_threads() == []
+
+
+def test_a_receiver_without_a_probe_starts_no_thread() -> None:
+    r = Receiver()
+    r.open(Deadline(1))
+    r.put(_numbered(4), 4)
+    assert r.recv(Deadline(1)).header == b"4"
+    assert _probe_threads() == []
+    r.close()

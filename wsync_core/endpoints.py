@@ -21,14 +21,19 @@ interface the core calls is unchanged). They carry:
   the deadline, at most ``probe_patience``) for a delivery numbered at least that. A worker that
   was away (frozen, busy) so never applies a version that a newer one published before its
   ``receive()`` had replaced; one that finds the mailbox empty is never asked about (no cost).
+  The question is asked on a thread of the endpoint's own, and ``recv`` waits for the answer only
+  until its deadline: a client blocked on a cut link (which its own timeouts may not bound) never
+  holds ``recv`` past it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +44,13 @@ from .transport import Buffer, Delivery, Event, ReceiverContext, ReceiverEndpoin
 
 __all__ = ["EndpointBase", "SenderBase", "ReceiverBase"]
 
+log = logging.getLogger("wsync.endpoints")
+
 #: the longest single wait; a wait for longer is cut into slices of this many seconds
 _SLICE_S = 1.0
+#: seconds ``close`` waits for the thread asking ``newest_published`` to end (it ends once the
+#: plugin's call returns: on a cut link, when the client gives up)
+_PROBER_JOIN_S = 10.0
 
 
 class EndpointBase:
@@ -236,6 +246,15 @@ class SenderBase(EndpointBase, SenderEndpoint):
             self._holders = []
 
 
+@dataclass
+class _Question:
+    """A question to the probe thread (``ReceiverBase._probe``) and its answer."""
+
+    deadline: Deadline
+    answer: int | None = None
+    answered: bool = False
+
+
 class ReceiverBase(EndpointBase, ReceiverEndpoint):
     """A receiver endpoint with a newest-only mailbox and a closed guard; the plugin implements ``ack``
     and feeds the mailbox from its own I/O (``put``, ``fail``).
@@ -256,12 +275,19 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
         self._mail: Delivery | None = None
         self._failure: str | None = None
         self._highest = -1  # the highest delivery number put since open (-1: none numbered)
+        #: the thread that asks ``newest_published`` (started by the first probe), the question it
+        #: has not taken yet, and the one whose call is out
+        self._prober: threading.Thread | None = None
+        self._question: _Question | None = None
+        self._asking: _Question | None = None
 
     # -- what the plugin may implement ----------------------------------------------------------
     def newest_published(self, deadline: Deadline) -> int | None:
         """The number of the newest delivery the sender has published to this worker (as ``put``
         numbers them), asked of the sender by ``deadline``; None if it cannot tell (the default:
-        no probe). Called by ``recv`` without ``self.cond`` held; must not raise."""
+        no probe). Called on the endpoint's probe thread, without ``self.cond`` held; must not raise.
+        A call that outlasts ``deadline`` holds up no ``recv`` (it returns what arrived), and later
+        probes answer None until it returns."""
         return None
 
     def arriving(self) -> bool:
@@ -315,7 +341,7 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
             self.check_open()
             waited = not deadline.expired() and (self._mail is not None or self.arriving())
         if waited:
-            newest = self.newest_published(deadline)
+            newest = self._probe(deadline)
             if newest is not None:
                 with self.cond:
                     patience = Deadline(min(deadline.remaining(), self.probe_patience))
@@ -330,9 +356,53 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
                 self.check_open()
             return delivery
 
+    def _probe(self, deadline: Deadline) -> int | None:
+        """``newest_published(deadline)``, asked on the endpoint's probe thread (started at the first
+        call) and waited for until ``deadline``, ``wake`` or ``close``; None if no answer came by
+        then, or while the call for an earlier question is still out (blocked on a cut link)."""
+        if type(self).newest_published is ReceiverBase.newest_published:  # no probe: no thread
+            return None
+        with self.cond:
+            if self._asking is not None:
+                return None
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._answer_probes, name=f"wsync-probe ({self.what})",
+                                                daemon=True)
+                self._prober.start()
+            question = self._question = _Question(deadline)
+            self.cond.notify_all()
+            self.wait_until(lambda: question.answered, deadline)
+            return question.answer
+
+    def _answer_probes(self) -> None:
+        """The probe thread: answer each question until ``close`` lets it go."""
+        me = threading.current_thread()
+        while True:
+            with self.cond:
+                while self._question is None and self._prober is me:
+                    self.cond.wait()
+                question = self._question
+                if question is None or self._prober is not me:
+                    return
+                self._question, self._asking = None, question
+            try:
+                answer = self.newest_published(question.deadline)
+            except Exception as exc:  # (the plugin's contract says it must not: the recv takes what arrived)
+                log.warning("%s: newest_published raised %s: %s", self.what, type(exc).__name__, exc)
+                answer = None
+            with self.cond:
+                question.answer, question.answered = answer, True
+                if self._asking is question:
+                    self._asking = None
+                self.cond.notify_all()
+
     def close(self) -> None:
         super().close()
         with self.cond:
             delivery, self._mail = self._mail, None
+            prober, self._prober, self._question = self._prober, None, None
+            self.cond.notify_all()
+        if prober is not None and prober is not threading.current_thread():
+            prober.join(_PROBER_JOIN_S)  # (a daemon: one still blocked on a dead link ends when its call does)
         if delivery is not None and delivery.release is not None:
             delivery.release()

@@ -21,6 +21,8 @@ from tail import Tail  # noqa: E402
 HEARTBEAT = 1.5
 #: the send's timeout: a cut-off worker must be named well within it
 SEND_TIMEOUT = 30.0
+#: seconds a worker's receive(timeout=0.5) may take beyond its timeout on a loaded machine
+RECEIVE_SLACK = 3.5
 
 
 def _hosts(n: int):
@@ -53,7 +55,8 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
     that send (or the next, if worker 1 had it already) names worker 1 alone within its timeout,
     worker 0 holds the version; once the link is back (after 9 s: long enough for worker 1's
     store clients to fail), worker 1 joins again by itself and gets the newest version, and sends
-    to both succeed (its acks reach the sender again)."""
+    to both succeed (its acks reach the sender again). Neither worker's ``receive(timeout=0.5)``
+    overran its timeout meanwhile, and neither left a thread at shutdown."""
     if size != "64MiB" and not request.config.getoption("wsync_thorough"):
         pytest.skip("runs only with --thorough")
     variant = f"big{size[:-3]}"
@@ -104,6 +107,11 @@ def test_a_cut_link_is_named_in_time_and_rejoins_once_restored(workers, request,
             assert applied[-1]["version"] == 4 and applied[-1]["lo"] == applied[-1]["hi"] == 4.0, applied
             versions = [line["version"] for line in applied]
             assert versions == sorted(set(versions)), versions
+            # every receive(timeout=0.5) returned in time (worker 1's took 5.5 s while its link was
+            # cut: the probe of the sender's newest version waited for TCP to give up on the link),
+            # and its shutdown left no thread (the abort of the link that failed was left running)
+            done = next(line for line in lines if line["event"] == "done")
+            assert done["slowest"] < 0.5 + RECEIVE_SLACK and done["threads"] == [], done
 
 
 def test_a_receiver_shut_down_while_its_link_is_cut_stops_in_seconds(workers):
@@ -127,3 +135,39 @@ def test_a_receiver_shut_down_while_its_link_is_cut_stops_in_seconds(workers):
             there.restore()
             scheme.shutdown()
         assert done["shutdown_s"] < 4 * HEARTBEAT + 5.0 and done["threads"] == [], done
+
+
+def test_a_receive_of_a_version_that_waited_returns_in_time_while_the_link_is_cut(workers, tmp_path):
+    """A worker that holds version 1 (it calls no ``receive()``) while version 2 reaches it, then
+    resumes with its link cut: its ``receive(timeout=0.5)`` applies version 2 exactly and returns
+    within its timeout (it took 5.5 s: its question to the sender's store about the newest version
+    waited for TCP to give up on the link; the ack that follows is only written, never waited for)."""
+    go = tmp_path / "go"
+    with _hosts(2) as (here, there):
+        scheme = WeightSyncScheme("distributed", timeout=30.0, host=here.address, backend="gloo",
+                                  heartbeat_timeout=HEARTBEAT)
+        w = weights("kib8", 0.0)
+        scheme.init_on_sender(weights=w, num_workers=1)
+        tail = Tail(workers({"options": scheme.transport.options, "variant": "kib8", "idx": 0, "until": 2,
+                             "run_s": 120, "keep_going": True, "hold": {"at": 1, "file": str(go)}}, prefix=there.prefix))
+        try:
+            scheme.connect()
+            w["w"].fill_(1.0)
+            assert scheme.send(timeout=SEND_TIMEOUT) == 1
+            w["w"].fill_(2.0)
+            handle = scheme.send_async()
+            time.sleep(2.0)  # version 2 reaches the worker's buffers (a few KiB over the bridge)
+            there.cut()
+            go.touch()
+            applied = tail.applied(2, 60)
+            there.restore()
+            done = tail.wait_for(lambda line: line["event"] == "done", 120)
+            try:  # (its ack may reach the sender once the link is back, or be given up)
+                handle.wait(SEND_TIMEOUT)
+            except WorkerTimeoutError:
+                pass
+        finally:
+            there.restore()
+            scheme.shutdown()
+    assert applied["lo"] == applied["hi"] == 2.0, applied
+    assert done["slowest"] < 0.5 + RECEIVE_SLACK, done

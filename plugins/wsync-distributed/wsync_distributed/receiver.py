@@ -83,6 +83,7 @@ class DistributedReceiver(ReceiverBase):
         self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
+        self.reapers: list[threading.Thread] = []  # threads aborting links that failed (``_drop_link``)
         self.link: tuple[str, wire.Link] | None = None
 
     # -- the core's calls ------------------------------------------------------------------
@@ -165,14 +166,16 @@ class DistributedReceiver(ReceiverBase):
                 store.queue_push(wire.inbox_key(self.inbox), wire.encode_control(wire.Control(kind="stop")))
             except RuntimeError as exc:  # the sender is gone: the threads stop on their own
                 log.debug("%s: goodbye failed: %s", self.what, wire.brief(exc))
-        reaper = self._drop_link()
-        # the link's abort ends before the process can: gloo threads still running at exit end it
-        # with std::terminate ("terminate called without an active exception", SIGABRT)
-        for thread in [*self.threads, *([reaper] if reaper else [])]:
+        self._drop_link()
+        # the links' aborts (this one's, and those of links that failed before) end before the process
+        # can: gloo threads still running at exit end it with std::terminate ("terminate called
+        # without an active exception", SIGABRT)
+        for thread in [*self.threads, *self.reapers]:
             thread.join(timeout=self.cfg.timeout + 5)
             if thread.is_alive():
                 log.warning("%s: thread %s did not stop", self.what, thread.name)
         self.threads.clear()
+        self.reapers.clear()
         self.link = None
         self.store = self.asker = None
 
@@ -403,6 +406,7 @@ class DistributedReceiver(ReceiverBase):
 
         reaper = threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True)
         reaper.start()
+        self.reapers = [r for r in self.reapers if r.is_alive()] + [reaper]
         return reaper
 
     def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
