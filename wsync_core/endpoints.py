@@ -248,7 +248,7 @@ class SenderBase(EndpointBase, SenderEndpoint):
 
 @dataclass
 class _Question:
-    """A question to the probe thread (``ReceiverBase._probe``) and its answer."""
+    """A question to the probe thread (``ReceiverBase._ask_newest``) and its answer."""
 
     deadline: Deadline
     answer: int | None = None
@@ -341,7 +341,7 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
             self.check_open()
             waited = not deadline.expired() and (self._mail is not None or self.arriving())
         if waited:
-            newest = self._probe(deadline)
+            newest = self._ask_newest(deadline)
             if newest is not None:
                 with self.cond:
                     patience = Deadline(min(deadline.remaining(), self.probe_patience))
@@ -356,7 +356,7 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
                 self.check_open()
             return delivery
 
-    def _probe(self, deadline: Deadline) -> int | None:
+    def _ask_newest(self, deadline: Deadline) -> int | None:
         """``newest_published(deadline)``, asked on the endpoint's probe thread (started at the first
         call) and waited for until ``deadline``, ``wake`` or ``close``; None if no answer came by
         then, or while the call for an earlier question is still out (blocked on a cut link)."""
