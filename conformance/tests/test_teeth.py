@@ -41,7 +41,7 @@ def _command(args: list[str], out: Path) -> list[str]:
 #: test: a hang past every interruption, the run going on) or that wait out long timeouts; the
 #: rest run as test classes of two pytest processes beside them, as a third party's tests would
 BY_COMMAND = ("HangsWhenSenderDies", "BlockedInC", "CrashesInC", "DeadlineIgnored", "BlockingPublish", "HoardingSender",
-              "IgnoresRestart", "NoReconnect", "DroppedAck")
+              "IgnoresRestart", "NoReconnect", "DroppedAck", "ProbesWithoutDeadline")
 #: the reference transport, run through the whole suite by the command first, beside the broken ones
 REFERENCE = "inproc"
 #: the smallest transport of docs/writing-a-transport.md (its first runnable block), which the page

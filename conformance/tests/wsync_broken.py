@@ -8,6 +8,7 @@ Run one: ``PYTHONPATH=conformance/tests wsync conformance wsync_broken:FlippedBy
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 import socket
@@ -950,6 +951,26 @@ if TcpTransport is not None:
             while self.is_open:  # alive, connected to nothing
                 time.sleep(0.1)
 
+    class _ProbesWithoutDeadline(_TcpReceiver):
+        """Before handing over what waited, asks its sender for the newest version and waits for the
+        answer whatever the deadline, as a store client on a cut link waits for TCP to give up: on
+        a worker whose link is cut, a receive() with a version waiting hangs."""
+
+        def recv(self, deadline):
+            from wsync_core import Deadline
+            from wsync_core.stream import Kind, frame
+
+            with self.cond:
+                self.check_open()
+                conn = self.conn
+                if conn is not None and conn.stage == "live" and self._waited(conn):
+                    self._probes += 1
+                    probe = self._probes
+                    conn.push(frame(Kind.PROBE, a=probe))
+                    self._kick()
+                    self.wait_until(lambda: self._answered >= probe, Deadline(math.inf))
+            return super().recv(deadline)
+
     class _GoodbyeIsFinal(_TcpReceiver):
         """Reconnects after a lost link, but takes the sender's goodbye (a shutdown) for the end: a
         trainer restarted on the same address waits for workers that never come back."""
@@ -1026,11 +1047,13 @@ if TcpTransport is not None:
     HoardingSender = _tcp("HoardingSender", sender=_HoardingSender)
     HangsWhenSenderDies = _tcp("HangsWhenSenderDies", receiver=_HangsWhenSenderDies)
     NoReconnect = _tcp("NoReconnect", receiver=_NoReconnect, heartbeat=1.0)
-    BROKEN.update(HoardingSender="live", HangsWhenSenderDies="live", NoReconnect="live")
+    ProbesWithoutDeadline = _tcp("ProbesWithoutDeadline", receiver=_ProbesWithoutDeadline, heartbeat=1.0)
+    BROKEN.update(HoardingSender="live", HangsWhenSenderDies="live", NoReconnect="live",
+                  ProbesWithoutDeadline="live")
     SELECT.update(HoardingSender="test_faults_slow_worker_gets_newest",
                   HangsWhenSenderDies="test_faults_sender_killed",
-                  NoReconnect="test_faults_link_cut")
-    __all__ += ["HoardingSender", "HangsWhenSenderDies", "NoReconnect"]
+                  NoReconnect="test_faults_link_cut", ProbesWithoutDeadline="test_faults_link_cut")
+    __all__ += ["HoardingSender", "HangsWhenSenderDies", "NoReconnect", "ProbesWithoutDeadline"]
 
     SilentTakeover = _tcp("SilentTakeover", sender=_SilentTakeover)
     BROKEN["SilentTakeover"] = "live"

@@ -55,6 +55,24 @@ WAKE_BUSY_S = 0.5
 _SENDER_GONE = (None, "TransportError", "WorkerTimeoutError")
 
 
+def _receive_in_time(c: Cluster, worker: int, timeout: float, what: str) -> None:
+    """Raise a violation of "live" unless worker ``worker``'s ``receive(timeout)`` returns, or raises
+    TransportError, within ``timeout`` (and the suite's slack)."""
+    t0 = time.monotonic()
+    c.workers[worker].call_async("receive", timeout=timeout)
+    try:
+        reply = c.workers[worker].recv(timeout + SLACK_S, "answer to receive()")
+    except harness.HarnessError as exc:
+        raise violated("live", f"worker {worker}'s receive(timeout={timeout:g}) ({what}) did not return within "
+                               f"{timeout + SLACK_S:g} s: {exc}") from None
+    took = time.monotonic() - t0
+    if reply.error not in (None, "TransportError"):
+        raise violated("live", f"worker {worker}'s receive(timeout={timeout:g}) ({what}) raised {reply.error}: "
+                               f"{reply.get('message')}")
+    if took > timeout + SLACK_S:
+        raise violated("live", f"worker {worker}'s receive(timeout={timeout:g}) ({what}) took {took:.1f} s")
+
+
 def rss_bytes() -> int | None:
     """This process's resident memory in bytes (shared memory it touched included), or None where
     /proc is not there."""
@@ -368,10 +386,11 @@ class FaultChecks:
     @capability("multi_host")
     @budget(timeouts=4, short_timeouts=12)
     def test_faults_link_cut(self, wsync: Context) -> None:
-        """A worker's link cut (no reset reaches anyone) as a send starts, then restored: the send
-        names exactly it within its timeout and the worker on the other host is updated; once the
-        link is back a late_join transport has it reconnect under its index and hold the newest
-        version, and a send to everyone completes."""
+        """A worker's link cut (no reset reaches anyone) during a send it has not received yet, then
+        restored: the send names exactly it within its timeout and the worker on the other host is
+        updated; the cut-off worker's ``receive(timeout)`` right after the cut, with that version
+        waiting for it, returns within its timeout; once the link is back a late_join transport has
+        it reconnect under its index and hold the newest version, and a send to everyone completes."""
         wait = wsync.short_timeout * 2
         with _cluster(self, wsync, _spec_of(1024)) as c:
             c.next_version()
@@ -380,8 +399,10 @@ class FaultChecks:
             c.next_version()
             c.workers[0].follow()
             c.sender.call_async("send", timeout=wait)
+            time.sleep(1.0)  # its copy reaches worker 1, which does not receive it yet
             c.remote.cut()
             try:
+                _receive_in_time(c, 1, wsync.short_timeout, "its link just cut, a version waiting for it")
                 reply = c.sender.recv(wait + SLACK_S + 60, "answer to send()")
             finally:
                 c.workers[0].stop()
