@@ -78,7 +78,7 @@ class DistributedReceiver(ReceiverBase):
         self.filled: tuple[int, int, int] | None = None  # (seq, slot, nbytes): received in full, not yet committed
         self.taking = False  # the receive thread is in a broadcast
         self.probe_patience = 2 * cfg.timeout
-        self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
+        self.asker: dist.Store | None = None  # the probe thread's store client (``newest_published``)
         self.stopped = threading.Event()
         self.bye = False  # the sender shut down (its store is gone)
         self.store: dist.Store | None = None
@@ -386,15 +386,15 @@ class DistributedReceiver(ReceiverBase):
             return store
         return None
 
-    def _drop_link(self, slot: int | None = None, works: list | None = None) -> threading.Thread | None:
-        """Forget the link; a thread of its own aborts it and lets go of its ``works`` (gloo may wait
-        for a peer that is gone in either), then frees ``slot``, which those works may write until
-        then. Returns that thread (None if there was nothing to abort)."""
+    def _drop_link(self, slot: int | None = None, works: list | None = None) -> None:
+        """Forget the link; a thread of its own (in ``reapers``, which ``stop`` joins) aborts it and
+        lets go of its ``works`` (gloo may wait for a peer that is gone in either), then frees
+        ``slot``, which those works may write until then."""
         link, self.link = self.link, None
         if link is None and works is None:
             if slot is not None:
                 self._release(slot)
-            return None
+            return
         pending = [works]  # the last reference: dropped in the reaper, never in the receive thread
 
         def reap() -> None:
@@ -407,7 +407,6 @@ class DistributedReceiver(ReceiverBase):
         reaper = threading.Thread(target=reap, name=f"wsync-distributed-abort-{self.worker}", daemon=True)
         reaper.start()
         self.reapers = [r for r in self.reapers if r.is_alive()] + [reaper]
-        return reaper
 
     def _take_part(self, store: dist.Store, ctl: wire.Control, header: bytes) -> None:
         """Receive the broadcast of ``ctl.seq`` into a free buffer; deliver it once complete if

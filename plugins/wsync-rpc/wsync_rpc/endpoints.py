@@ -465,7 +465,7 @@ class RpcReceiver(ReceiverBase):
         self.timeout = options["rpc_timeout"]
         self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
-        self.asker: dist.Store | None = None  # the core's thread's store client for ``newest_published``
+        self.asker: dist.Store | None = None  # the probe thread's store client (``newest_published``)
         self.last_ack: torch.futures.Future | None = None
 
     def start(self, deadline: Deadline) -> None:
