@@ -647,6 +647,46 @@ def test_a_transport_whose_recv_never_runs_dry_does_not_hold_a_receive_forever()
         sender.shutdown()
 
 
+class _FailsBehindReceiver(_InprocReceiver):
+    """A receiver endpoint whose connection fails right after the delivery of version 1 came: that
+    delivery waits in its mailbox, and every recv() after it raises TransportError (a sender gone,
+    a link cut)."""
+
+    delivered = 0
+
+    def recv(self, deadline):
+        if self.delivered == 2:  # version 0 (at connect), then version 1
+            raise TransportError("inproc worker: the sender is out of reach")
+        got = super().recv(deadline)
+        self.delivered += got is not None
+        return got
+
+
+class _FailsBehind(InprocTransport):
+    name = "failsbehind"
+
+    def receiver(self, ctx):
+        return _FailsBehindReceiver(self, ctx)
+
+
+def test_a_version_that_arrived_before_the_endpoint_failed_is_applied_then_the_failure_raised():
+    """The core drains the endpoint for the newest delivery: a failure behind the one in hand ends
+    the draining, the version in hand is applied (exactly) and the next receive() raises. The
+    version was dropped and the failure raised at once (a distributed worker whose link was cut
+    never applied the version that had reached it in full)."""
+    sender, model, receiver, local = connected_pair(_FailsBehind(channel="fails-behind"))
+    try:
+        bump(model)
+        sender.send_async()
+        assert receiver.receive(timeout=5) == 1 and same(local, model)
+        with pytest.raises(TransportError, match="out of reach"):
+            receiver.receive(timeout=0)
+        assert receiver.version == 1 and same(local, model)
+    finally:
+        receiver.shutdown()
+        sender.shutdown()
+
+
 class _Keyed(InprocTransport):
     """inproc with options of its own, two of them secret."""
 

@@ -181,13 +181,12 @@ class Receiver:
         return self._receive(deadline)
 
     def _receive(self, deadline: Deadline) -> int | None:
-        endpoint = self.endpoint
         self._leases.drain()  # memory the worker stopped viewing since the last call
         best, self._kept = self._kept, None  # what the last receive took, if its guard raised
         stale = False
-        delivery = endpoint.recv(deadline if best is None else POLL)
         drained = 0
         try:
+            delivery = self._poll(deadline if best is None else POLL, best is not None)
             while delivery is not None:
                 drained += 1
                 try:
@@ -207,7 +206,7 @@ class Receiver:
                 else:
                     stale = True
                     _release(delivery)
-                delivery = endpoint.recv(POLL) if drained < _MAX_DRAIN else None
+                delivery = self._poll(POLL, best is not None) if drained < _MAX_DRAIN else None
         except BaseException:
             if best is not None:
                 _release(best[0])
@@ -274,6 +273,18 @@ class Receiver:
         if warm is not None:
             warm()
         return header.version
+
+    def _poll(self, deadline: Deadline, holding: bool) -> Delivery | None:
+        """The endpoint's next delivery by ``deadline``. Where one is in hand (``holding``), a
+        TransportError (the endpoint failed behind it: a sender gone, a link cut) ends the draining
+        instead, so what arrived before the failure is applied and the next call raises; raised as
+        it is while shutting down."""
+        try:
+            return self.endpoint.recv(deadline)
+        except TransportError:
+            if not holding or self.closing:
+                raise
+            return None
 
     def wait_for_version(self, version: int, deadline: Deadline, expect: Callable[[], None]) -> int:
         """Apply versions as they arrive until this worker holds ``version`` or newer; ``expect()``

@@ -137,11 +137,14 @@ def test_a_receiver_shut_down_while_its_link_is_cut_stops_in_seconds(workers):
         assert done["shutdown_s"] < 4 * HEARTBEAT + 5.0 and done["threads"] == [], done
 
 
-def test_a_receive_of_a_version_that_waited_returns_in_time_while_the_link_is_cut(workers, tmp_path):
+@pytest.mark.parametrize("down_s", [0.0, 4 * HEARTBEAT])
+def test_a_receive_of_a_version_that_waited_returns_in_time_while_the_link_is_cut(workers, tmp_path, down_s):
     """A worker that holds version 1 (it calls no ``receive()``) while version 2 reaches it, then
-    resumes with its link cut: its ``receive(timeout=0.5)`` applies version 2 exactly and returns
-    within its timeout (it took 5.5 s: its question to the sender's store about the newest version
-    waited for TCP to give up on the link; the ack that follows is only written, never waited for)."""
+    resumes ``down_s`` after its link was cut: its ``receive(timeout=0.5)`` applies version 2
+    exactly and returns it within its timeout. It took 5.5 s (its question to the sender's store
+    about the newest version waited for TCP to give up on the link); after a cut long enough for
+    its store clients to fail, it raised TransportError once version 2 was applied (the ack,
+    pushed in the call, found its client dead and waited for a new connection)."""
     go = tmp_path / "go"
     with _hosts(2) as (here, there):
         scheme = WeightSyncScheme("distributed", timeout=30.0, host=here.address, backend="gloo",
@@ -158,6 +161,7 @@ def test_a_receive_of_a_version_that_waited_returns_in_time_while_the_link_is_cu
             handle = scheme.send_async()
             time.sleep(2.0)  # version 2 reaches the worker's buffers (a few KiB over the bridge)
             there.cut()
+            time.sleep(down_s)
             go.touch()
             applied = tail.applied(2, 60)
             there.restore()

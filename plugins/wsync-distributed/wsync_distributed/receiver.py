@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -50,6 +51,8 @@ log = logging.getLogger("wsync.distributed")
 HEARTBEAT_S = 0.2
 #: receive buffers kept at most (see the module's docstring); usually 2: the model's and the next
 _POOL = 4
+#: the acks kept for the ack thread while the sender's store does not answer (the oldest go first)
+_ACKS_KEPT = 64
 
 
 #: the shortest wait a store connect keeps: TCPStore retries about once a second, so a connect
@@ -84,6 +87,8 @@ class DistributedReceiver(ReceiverBase):
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
         self.reapers: list[threading.Thread] = []  # threads aborting links that failed (``_drop_link``)
+        self.acks: deque[bytes] = deque(maxlen=_ACKS_KEPT)  # events the ack thread has yet to push
+        self.acks_cond = threading.Condition()
         self.link: tuple[str, wire.Link] | None = None
 
     # -- the core's calls ------------------------------------------------------------------
@@ -99,7 +104,7 @@ class DistributedReceiver(ReceiverBase):
         try:
             self.asker = self._clone()
             self.store.add(wire.heartbeat_key(self.worker), 1)
-            for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
+            for target, name in ((self._beat, "heartbeat"), (self._receive, "receive"), (self._send_acks, "ack")):
                 thread = threading.Thread(target=target, args=(self._clone(),),
                                           name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
                 thread.start()
@@ -110,23 +115,15 @@ class DistributedReceiver(ReceiverBase):
                                  f"{wire.brief(exc)}") from exc
 
     def ack(self, data: bytes) -> None:
-        """Push the ack to the sender's events; a client that failed (a link cut, then back: its
-        socket never recovers) is replaced by a new connection, once per call."""
+        """Hand the ack to the ack thread, which pushes it to the sender's events after the ones
+        before it: a store client on a cut link waits for TCP to give up on it, then for a new
+        connection, which would hold the ``receive()`` that applied the version past its timeout
+        and make it raise though the version was applied."""
         self.check_open()
         event = wire.encode_event(wire.ACK, self.worker, wire.from_inbox(self.inbox, bytes(data)))
-        failure: BaseException | None = None
-        for _ in range(2):
-            try:
-                store = self.store
-                if store is None:
-                    store = self.store = self._connect(Deadline(max(1.0, self.cfg.heartbeat_timeout)))
-                store.queue_push(wire.EVENTS, event)
-                return
-            except (RuntimeError, TransportError) as exc:
-                self.store, failure = None, exc  # the next try, or the next ack, connects again
-        assert failure is not None  # (each try returned or failed)
-        raise TransportError(f"{self.what}: cannot reach the sender's store at {self.cfg.host}:{self.cfg.port}: "
-                             f"{wire.brief(failure)}") from failure
+        with self.acks_cond:
+            self.acks.append(event)  # (at most ``_ACKS_KEPT`` wait: the oldest goes if the store was away that long)
+            self.acks_cond.notify_all()
 
     def arriving(self) -> bool:
         """Whether a version is being received, or waits for its commit (``self.cond`` held)."""
@@ -156,6 +153,13 @@ class DistributedReceiver(ReceiverBase):
 
     def stop(self) -> None:
         self.stopped.set()
+        with self.acks_cond:
+            if self.bye or self._cut_off():
+                self.acks.clear()  # (no store to tell, or a dead link: each would wait for TCP to give up)
+            self.acks_cond.notify_all()
+        for thread in self.threads:  # the acks land before the goodbye
+            if thread.name.startswith("wsync-distributed-ack-"):
+                thread.join(timeout=self.cfg.timeout + 5)
         store = self.store
         # after "bye" the store is gone (its client would log errors); out of reach, a goodbye waits
         # out a dead link: the sender gives this worker up on its own
@@ -279,6 +283,33 @@ class DistributedReceiver(ReceiverBase):
         """Announce this worker under the current inbox (the sender then sees ``Joined``)."""
         join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes, "origin": self.origin}).encode()
         store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
+
+    def _send_acks(self, store: dist.Store | None) -> None:
+        """The ack thread: push each ack handed to ``ack`` to the sender's events, in order, until
+        stopped with none left. A client that failed (a link cut, then back: its socket never
+        recovers) is replaced by a new connection, once per ack; an ack that still cannot be pushed
+        is dropped, as the stream transports drop one while disconnected (the sender names this
+        worker when its send's timeout ends; once back, the worker gets the newest version again
+        and acks it)."""
+        wait = max(1.0, self.cfg.heartbeat_timeout)
+        while True:
+            with self.acks_cond:
+                while not self.acks and not self.stopped.is_set():
+                    self.acks_cond.wait()
+                if not self.acks:
+                    return
+                event = self.acks.popleft()
+            for attempt in range(2):
+                try:
+                    if store is None:
+                        store = self._connect(Deadline(wait))
+                    store.queue_push(wire.EVENTS, event)
+                    break
+                except (RuntimeError, TransportError) as exc:
+                    store = None  # the next try, or the next ack, connects again
+                    if attempt:
+                        log.warning("%s: an ack did not reach the sender's store at %s:%d: %s", self.what,
+                                    self.cfg.host, self.cfg.port, wire.brief(exc))
 
     def _beat(self, store: dist.Store | None) -> None:
         """Bump the heartbeat; note an eviction. A store call that fails (a cut link, a sender
