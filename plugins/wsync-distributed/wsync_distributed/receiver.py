@@ -9,8 +9,10 @@ the sender's store the number of the newest version published to this worker
 (``wire.published_key``, written at publish) and waits for that one (``ReceiverBase``'s probe, at
 most two ``collective_timeout``: the broadcast in flight and the newest).
 
-A heartbeat thread bumps this worker's counter in the store and reads whether the sender gave
-this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
+An ack thread pushes the core's acks to the sender's events, in order, so ``receive()`` never
+waits on the store (an ack that cannot reach it is dropped, as the stream transports drop one
+while disconnected). A heartbeat thread bumps this worker's counter in the store and reads
+whether the sender gave this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
 reachable again (a link restored, a broadcast that failed) it gets the newest version; what its
 old link still brings meanwhile is dropped (each delivery first checks the inbox's ``evict`` key,
 which the sender sets before it reports the worker gone). A sender that dies makes ``recv``
