@@ -179,6 +179,20 @@ def test_python_floor_times_every_update_and_leaves_nothing_behind(tmp_path) -> 
 
 
 @pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
+def test_python_floor_checked_runs_beside_wsync_and_says_each_process_cpu(tmp_path) -> None:
+    """``python_floor.py --checked --against shm``: the checked floor, then wsync's loop, each with
+    its latency and the CPU per update of the trainer and of each worker."""
+    script = Path(__file__).parents[1] / "python_floor.py"
+    out = subprocess.run([sys.executable, str(script), "--workers", "2", "--updates", "5", "--warmup", "2",
+                          "--checked", "--against", "shm"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cpu = r"p50 [0-9.]+ ms, p99 [0-9.]+ ms; CPU per update: trainer [0-9]+ us, each worker [0-9]+ us"
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and re.fullmatch(r"python floor, checked, 2 workers, 5 updates: " + cpu, lines[0]) \
+        and re.fullmatch(r"wsync shm, 2 workers, 5 updates: " + cpu, lines[1]), out.stdout
+
+
+@pytest.mark.skipif(not _installed("shm"), reason="the shm plugin is not installed")
 def test_send_phases_splits_every_send_it_was_asked_for(tmp_path) -> None:
     """``benchmarks/send_phases.py`` times the whole send, its snapshot and the rest, beside a memcpy."""
     script = Path(__file__).parents[1] / "send_phases.py"
