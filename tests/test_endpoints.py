@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsync_core import (Acked, Buffer, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
+from wsync_core import (AckPusher, Acked, Buffer, Deadline, Delivery, Joined, Layout, ReceiverBase, ReceiverContext, SenderBase,
                         SenderContext, TransportError, Wakeup, WorkerTimeoutError)
 from wsync_core.protocol import MAX_HEADER_BYTES
 
@@ -369,3 +369,75 @@ def test_a_receiver_without_a_probe_starts_no_thread() -> None:
     assert r.recv(Deadline(1)).header == b"4"
     assert _probe_threads() == []
     r.close()
+
+
+def _ack_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wsync-ack")]
+
+
+def test_acks_are_pushed_in_order_from_a_thread_and_put_never_waits(caplog: pytest.LogCaptureFixture) -> None:
+    """A push that blocks (an RPC waiting for its reply, a store client on a cut link) holds no
+    ``put``; the acks land in the order given once it returns; close lets the pending ones go
+    first; a push that fails drops that ack, with a warning naming it, and the next ones go."""
+    pushed: list[bytes] = []
+    gate = threading.Event()
+
+    def push(data: bytes) -> None:
+        if data == b"1":
+            gate.wait(30)
+        if data == b"3":
+            raise TransportError("link cut")
+        pushed.append(data)
+
+    acks = AckPusher(push, "test worker 0")
+    assert _ack_threads() == []  # (none before the first ack)
+    t0 = time.monotonic()
+    for i in range(1, 6):
+        acks.put(b"%d" % i)
+    assert time.monotonic() - t0 < 5 and pushed == []  # the first push is blocked: no put waited for it
+    gate.set()
+    acks.close(30)
+    assert pushed == [b"1", b"2", b"4", b"5"] and _ack_threads() == []
+    assert "test worker 0: an ack did not reach the sender and was dropped: link cut" in caplog.text
+
+
+def test_close_drops_the_pending_acks_when_told_and_never_waits_past_its_timeout() -> None:
+    pushed: list[bytes] = []
+    gate = threading.Event()
+    acks = AckPusher(lambda data: (gate.wait(30), pushed.append(data)), "test worker 0")
+    acks.put(b"1")
+    deadline = time.monotonic() + 10
+    while acks.pending and time.monotonic() < deadline:  # "1" taken by the thread, blocked in push
+        time.sleep(0.01)
+    acks.put(b"2")
+    t0 = time.monotonic()
+    acks.close(0.2, deliver=False)  # the sender is gone: "2" is dropped; "1" is still being pushed
+    assert time.monotonic() - t0 < 5
+    gate.set()
+    deadline = time.monotonic() + 10
+    while _ack_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pushed == [b"1"] and _ack_threads() == []
+    acks.put(b"3")  # a later put starts a new thread
+    acks.close(30)
+    assert pushed == [b"1", b"3"] and _ack_threads() == []
+
+
+def test_at_most_64_acks_wait_and_the_oldest_go_first() -> None:
+    pushed: list[bytes] = []
+    gate = threading.Event()
+
+    def push(data: bytes) -> None:
+        gate.wait(30)
+        pushed.append(data)
+
+    acks = AckPusher(push, "test worker 0")
+    acks.put(b"0")
+    deadline = time.monotonic() + 10
+    while acks.pending and time.monotonic() < deadline:  # "0" taken by the thread, blocked in push
+        time.sleep(0.01)
+    for i in range(1, 101):
+        acks.put(b"%d" % i)
+    gate.set()
+    acks.close(30)
+    assert pushed == [b"0"] + [b"%d" % i for i in range(37, 101)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .deadline import Deadline, Wakeup
-from .endpoints import ReceiverBase, SenderBase
+from .endpoints import AckPusher, ReceiverBase, SenderBase
 from .errors import (
     SchemaMismatchError,
     StateError,
@@ -90,6 +90,7 @@ __all__ = [
     # the bases a transport may build on (docs/writing-a-transport.md)
     "SenderBase",
     "ReceiverBase",
+    "AckPusher",
     "StreamSender",
     "StreamReceiver",
 ]

@@ -24,6 +24,10 @@ interface the core calls is unchanged). They carry:
   The question is asked on a thread of the endpoint's own, and ``recv`` waits for the answer only
   until its deadline: a client blocked on a cut link (which its own timeouts may not bound) never
   holds ``recv`` past it.
+
+``AckPusher`` is for a receiver whose ack is a blocking network call (a store push, an RPC): it
+sends the acks from a thread of its own, in order, so that the ``receive()`` that applied a version
+never waits on the network for its ack.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +46,7 @@ from .errors import TransportError, WorkerTimeoutError
 from .protocol import MAX_HEADER_BYTES
 from .transport import Buffer, Delivery, Event, ReceiverContext, ReceiverEndpoint, SenderContext, SenderEndpoint
 
-__all__ = ["EndpointBase", "SenderBase", "ReceiverBase"]
+__all__ = ["EndpointBase", "SenderBase", "ReceiverBase", "AckPusher"]
 
 log = logging.getLogger("wsync.endpoints")
 
@@ -51,6 +55,9 @@ _SLICE_S = 1.0
 #: seconds ``close`` waits for the thread asking ``newest_published`` to end (it ends once the
 #: plugin's call returns: on a cut link, when the client gives up)
 _PROBER_JOIN_S = 10.0
+#: acks an ``AckPusher`` keeps while its sender does not answer (the oldest go first: a later ack
+#: says more than an earlier one)
+_ACKS_KEPT = 64
 
 
 class EndpointBase:
@@ -406,3 +413,67 @@ class ReceiverBase(EndpointBase, ReceiverEndpoint):
             prober.join(_PROBER_JOIN_S)  # (a daemon: one still blocked on a dead link ends when its call does)
         if delivery is not None and delivery.release is not None:
             delivery.release()
+
+
+class AckPusher:
+    """Sends a receiver's acks from a thread of its own, in the order given to ``put``.
+
+    For a plugin whose ack is a blocking network call (a store push, an RPC that waits for its
+    reply): on a link cut mid-ack, or a sender too busy to answer, that call waits for the
+    network's timeouts, and made inside ``ack`` it would hold the ``receive()`` that applied the
+    version past its timeout, then raise though the version was applied. ``push(data)`` sends one
+    ack and returns once it landed; it raises TransportError if it cannot, and that ack is then
+    dropped with a warning, as a stream transport drops one while disconnected (the sender names
+    the worker when its send's timeout ends; the worker acks the next version it applies). The
+    thread starts at the first ``put``; at most 64 acks wait (the oldest go first).
+    """
+
+    def __init__(self, push: Callable[[bytes], None], what: str) -> None:
+        self.push = push
+        self.what = what
+        self.cond = threading.Condition()
+        self.pending: deque[bytes] = deque(maxlen=_ACKS_KEPT)
+        self.thread: threading.Thread | None = None
+        self.closing = False
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` to be pushed after the acks before it; returns at once."""
+        with self.cond:
+            self.pending.append(bytes(data))
+            if self.thread is None:
+                self.closing = False
+                self.thread = threading.Thread(target=self._run, name=f"wsync-ack ({self.what})", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def close(self, timeout: float, deliver: bool = True) -> None:
+        """Stop the thread once the acks queued so far are pushed (waiting ``timeout`` seconds at
+        most), or with ``deliver=False`` drop them (the sender is gone or out of reach: each push
+        would wait out a dead link). A push still blocked then is left to end on its own (the
+        thread is a daemon). A later ``put`` starts a new thread."""
+        with self.cond:
+            thread, self.closing = self.thread, True
+            if not deliver:
+                self.pending.clear()
+            self.cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self.cond:
+            if self.thread is thread:
+                self.thread = None
+                self.pending.clear()  # (what a blocked push kept from going: it never will now)
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self.cond:
+                while not self.pending and not self.closing and self.thread is me:
+                    self.cond.wait()
+                if not self.pending or self.thread is not me:
+                    return
+                data = self.pending.popleft()
+            try:
+                self.push(data)
+            except TransportError as exc:
+                log.warning("%s: an ack did not reach the sender and was dropped: %s", self.what, exc)

@@ -9,9 +9,9 @@ the sender's store the number of the newest version published to this worker
 (``wire.published_key``, written at publish) and waits for that one (``ReceiverBase``'s probe, at
 most two ``collective_timeout``: the broadcast in flight and the newest).
 
-An ack thread pushes the core's acks to the sender's events, in order, so ``receive()`` never
-waits on the store (an ack that cannot reach it is dropped, as the stream transports drop one
-while disconnected). A heartbeat thread bumps this worker's counter in the store and reads
+The core's acks go to the sender's events from the core's ``AckPusher`` thread, in order, so
+``receive()`` never waits on the store (an ack that cannot reach it is dropped, as the stream
+transports drop one while disconnected). A heartbeat thread bumps this worker's counter in the store and reads
 whether the sender gave this inbox up (``evict``). The worker then joins again under a fresh inbox, so once it is
 reachable again (a link restored, a broadcast that failed) it gets the newest version; what its
 old link still brings meanwhile is dropped (each delivery first checks the inbox's ``evict`` key,
@@ -33,13 +33,12 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from wsync_core import Deadline, Delivery, ReceiverContext, TransportError, WorkerTimeoutError
-from wsync_core.endpoints import ReceiverBase
+from wsync_core.endpoints import AckPusher, ReceiverBase
 from wsync_core.transport import wait_listening
 
 from . import wire
@@ -53,9 +52,6 @@ log = logging.getLogger("wsync.distributed")
 HEARTBEAT_S = 0.2
 #: receive buffers kept at most (see the module's docstring); usually 2: the model's and the next
 _POOL = 4
-#: the acks kept for the ack thread while the sender's store does not answer (the oldest go first)
-_ACKS_KEPT = 64
-
 
 #: the shortest wait a store connect keeps: TCPStore retries about once a second, so a connect
 #: given less (0.05 s) took 1.1 s; a probe with less time left than this makes no new connection
@@ -89,8 +85,8 @@ class DistributedReceiver(ReceiverBase):
         self.store: dist.Store | None = None
         self.threads: list[threading.Thread] = []
         self.reapers: list[threading.Thread] = []  # threads aborting links that failed (``_drop_link``)
-        self.acks: deque[bytes] = deque(maxlen=_ACKS_KEPT)  # events the ack thread has yet to push
-        self.acks_cond = threading.Condition()
+        self.acks = AckPusher(self._push_ack, self.what)
+        self.ack_store: dist.Store | None = None  # the ack thread's store client (``_push_ack``)
         self.link: tuple[str, wire.Link] | None = None
 
     # -- the core's calls ------------------------------------------------------------------
@@ -105,8 +101,9 @@ class DistributedReceiver(ReceiverBase):
         self.store = self._client(deadline)  # (the store listens: no second wait)
         try:
             self.asker = self._clone()
+            self.ack_store = self._clone()
             self.store.add(wire.heartbeat_key(self.worker), 1)
-            for target, name in ((self._beat, "heartbeat"), (self._receive, "receive"), (self._send_acks, "ack")):
+            for target, name in ((self._beat, "heartbeat"), (self._receive, "receive")):
                 thread = threading.Thread(target=target, args=(self._clone(),),
                                           name=f"wsync-distributed-{name}-{self.worker}", daemon=True)
                 thread.start()
@@ -117,15 +114,10 @@ class DistributedReceiver(ReceiverBase):
                                  f"{wire.brief(exc)}") from exc
 
     def ack(self, data: bytes) -> None:
-        """Hand the ack to the ack thread, which pushes it to the sender's events after the ones
-        before it: a store client on a cut link waits for TCP to give up on it, then for a new
-        connection, which would hold the ``receive()`` that applied the version past its timeout
-        and make it raise though the version was applied."""
+        """Hand the ack to the ack thread (``AckPusher``), which pushes it to the sender's events
+        after the ones before it: a store client on a cut link waits for TCP to give up on it."""
         self.check_open()
-        event = wire.encode_event(wire.ACK, self.worker, wire.from_inbox(self.inbox, bytes(data)))
-        with self.acks_cond:
-            self.acks.append(event)  # (at most ``_ACKS_KEPT`` wait: the oldest goes if the store was away that long)
-            self.acks_cond.notify_all()
+        self.acks.put(wire.encode_event(wire.ACK, self.worker, wire.from_inbox(self.inbox, bytes(data))))
 
     def arriving(self) -> bool:
         """Whether a version is being received, or waits for its commit (``self.cond`` held)."""
@@ -155,13 +147,9 @@ class DistributedReceiver(ReceiverBase):
 
     def stop(self) -> None:
         self.stopped.set()
-        with self.acks_cond:
-            if self.bye or self._cut_off():
-                self.acks.clear()  # (no store to tell, or a dead link: each would wait for TCP to give up)
-            self.acks_cond.notify_all()
-        for thread in self.threads:  # the acks land before the goodbye
-            if thread.name.startswith("wsync-distributed-ack-"):
-                thread.join(timeout=self.cfg.timeout + 5)
+        # the acks land before the goodbye; none are pushed with no store to tell, or on a dead
+        # link (each would wait for TCP to give up)
+        self.acks.close(self.cfg.timeout + 5, deliver=not (self.bye or self._cut_off()))
         store = self.store
         # after "bye" the store is gone (its client would log errors); out of reach, a goodbye waits
         # out a dead link: the sender gives this worker up on its own
@@ -183,7 +171,7 @@ class DistributedReceiver(ReceiverBase):
         self.threads.clear()
         self.reapers.clear()
         self.link = None
-        self.store = self.asker = None
+        self.store = self.asker = self.ack_store = None
 
     def _connect(self, deadline: Deadline) -> dist.Store:
         """A new client of the sender's store (``wire.connect``) that fails on a dead link, started
@@ -286,32 +274,22 @@ class DistributedReceiver(ReceiverBase):
         join = json.dumps({"inbox": self.inbox, "nbytes": self.nbytes, "origin": self.origin}).encode()
         store.queue_push(wire.EVENTS, wire.encode_event(wire.JOIN, self.worker, join))
 
-    def _send_acks(self, store: dist.Store | None) -> None:
-        """The ack thread: push each ack handed to ``ack`` to the sender's events, in order, until
-        stopped with none left. A client that failed (a link cut, then back: its socket never
-        recovers) is replaced by a new connection, once per ack; an ack that still cannot be pushed
-        is dropped, as the stream transports drop one while disconnected (the sender names this
-        worker when its send's timeout ends; once back, the worker gets the newest version again
-        and acks it)."""
+    def _push_ack(self, event: bytes) -> None:
+        """Push one ack event to the sender's events (on the ``AckPusher``'s thread). A client that
+        failed (a link cut, then back: its socket never recovers) is replaced by a new connection,
+        once; raises TransportError if the ack still cannot be pushed."""
         wait = max(1.0, self.cfg.heartbeat_timeout)
-        while True:
-            with self.acks_cond:
-                while not self.acks and not self.stopped.is_set():
-                    self.acks_cond.wait()
-                if not self.acks:
-                    return
-                event = self.acks.popleft()
-            for attempt in range(2):
-                try:
-                    if store is None:
-                        store = self._connect(Deadline(wait))
-                    store.queue_push(wire.EVENTS, event)
-                    break
-                except (RuntimeError, TransportError) as exc:
-                    store = None  # the next try, or the next ack, connects again
-                    if attempt:
-                        log.warning("%s: an ack did not reach the sender's store at %s:%d: %s", self.what,
-                                    self.cfg.host, self.cfg.port, wire.brief(exc))
+        for attempt in range(2):
+            try:
+                if self.ack_store is None:
+                    self.ack_store = self._connect(Deadline(wait))
+                self.ack_store.queue_push(wire.EVENTS, event)
+                return
+            except (RuntimeError, TransportError) as exc:
+                self.ack_store = None  # the next try, or the next ack, connects again
+                if attempt:
+                    raise TransportError(f"{self.what}: cannot push an ack to the sender's store at "
+                                         f"{self.cfg.host}:{self.cfg.port}: {wire.brief(exc)}") from exc
 
     def _beat(self, store: dist.Store | None) -> None:
         """Bump the heartbeat; note an eviction. A store call that fails (a cut link, a sender

@@ -1,6 +1,7 @@
 """A receiver process for the tests: builds its own scheme from options given on the command line.
 
-Prints one JSON line per event: {"event": "applied", "version": v, "sum": ...} or {"event": "error", ...}.
+Prints one JSON line per event: {"event": "applied", "version": v, "sum": ...} or {"event": "error", ...},
+and at the end {"event": "done", "slowest": s}: the longest ``receive(timeout=0.5)`` call in seconds.
 Run as ``python rpc_worker.py '<json>'`` (also under ``ip netns exec``).
 """
 
@@ -29,19 +30,22 @@ def main() -> None:
     def say(**kw):
         print(json.dumps(kw), flush=True)
 
+    slowest = 0.0
     try:
         scheme.connect()
         say(event="applied", version=scheme.version, sum=float(model["a"].sum()))
         end = time.monotonic() + cfg.get("run_s", 60.0)
         while time.monotonic() < end and scheme.version < cfg.get("until", 0):
+            t0 = time.monotonic()
             v = scheme.receive(timeout=0.5)
+            slowest = max(slowest, time.monotonic() - t0)
             if v is not None:
                 say(event="applied", version=v, sum=float(model["a"].sum()))
     except WsyncError as exc:
         say(event="error", type=type(exc).__name__, message=str(exc))
     finally:
         scheme.shutdown()
-        say(event="done")
+        say(event="done", slowest=slowest)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Faults with real processes and a real RPC group: a worker that dies, a worker that never comes."""
+"""Faults with real processes and a real RPC group: a worker that dies, a worker that never comes, a
+sender that does not answer acks."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -44,6 +46,47 @@ def test_dead_worker_is_named_and_the_others_are_updated(workers):
         scheme.shutdown()
     applied = [line["version"] for line in procs[0].lines() if line["event"] == "applied"]
     assert applied[0] == 0 and applied[-1] == 3 and 1 in applied
+
+
+def test_an_ack_that_has_not_landed_holds_no_receive(workers, monkeypatch):
+    """The sender's RPC handler holds worker 0's acks (as a sender whose RPC threads are busy does,
+    or a link cut while an ack waits for its reply): the worker's ``receive(timeout=0.5)`` calls keep
+    their timeout and apply the version that reaches it meanwhile; once the handler runs again every
+    ack lands, in order, and a synchronous send completes."""
+    from wsync_core import Acked
+    from wsync_rpc.endpoints import RpcSender
+
+    held, release = threading.Event(), threading.Event()
+    emit = RpcSender.emit
+
+    def slow(self, event) -> None:  # (runs in the RPC handler of the worker's ack: its reply waits)
+        if isinstance(event, Acked) and held.is_set():
+            release.wait(60)
+        emit(self, event)
+
+    monkeypatch.setattr(RpcSender, "emit", slow)
+    scheme, w = _sender(1)
+    proc = workers({"options": scheme.transport.options, "idx": 0, "until": 3, "run_s": 120})
+    try:
+        scheme.connect()
+        held.set()
+        for v in (1, 2):  # version 1's ack is held; version 2 comes while it waits
+            for t in w.values():
+                t.fill_(v)
+            scheme.send_async()
+            time.sleep(4.0)
+        release.set()
+        for t in w.values():
+            t.fill_(3)
+        assert scheme.send(timeout=30.0) == 3  # acks flow again: every one landed
+    finally:
+        release.set()
+        scheme.shutdown()
+    lines = proc.lines()
+    applied = [line["version"] for line in lines if line["event"] == "applied"]
+    assert applied == [0, 1, 2, 3], lines
+    done = next(line for line in lines if line["event"] == "done")
+    assert done["slowest"] < 0.5 + 3.0, done  # (before: version 2's receive waited for version 1's ack, 4 s)
 
 
 def test_missing_worker_is_named_at_connect(workers):

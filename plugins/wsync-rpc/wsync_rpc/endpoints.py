@@ -32,6 +32,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api as rpc_api
 from wsync_core import (
+    AckPusher,
     Acked,
     Buffer,
     Deadline,
@@ -466,7 +467,7 @@ class RpcReceiver(ReceiverBase):
         self.probe_patience = 2 * self.timeout
         self.agent: _Agent | None = None
         self.asker: dist.Store | None = None  # the probe thread's store client (``newest_published``)
-        self.last_ack: torch.futures.Future | None = None
+        self.acks = AckPusher(self._push_ack, self.what)
 
     def start(self, deadline: Deadline) -> None:
         host, port = self.options["host"], self.options["port"]
@@ -520,30 +521,24 @@ class RpcReceiver(ReceiverBase):
         return fut
 
     def ack(self, data: bytes) -> None:
-        """Sends the ack once the previous one has landed: RPC runs handlers on a thread pool, so two
-        calls in flight at once can run in either order (in steady state the previous ack landed
-        an update ago and this waits for nothing). Raises TransportError if the previous ack failed."""
+        """Hand the ack to the ack thread (``AckPusher``), which sends each once the one before it
+        landed: RPC runs handlers on a thread pool, so two calls in flight at once could run in
+        either order; and an ack waiting for its reply (a cut link, a sender whose RPC threads are
+        busy) must not hold the ``receive()`` that applied the version."""
         self.check_open()
-        last, self.last_ack = self.last_ack, None
-        if last is not None:
-            try:
-                last.wait()  # bounded by rpc_timeout
-            except RuntimeError as exc:
-                raise TransportError(f"rpc: {worker_name(self.worker)}'s previous ack did not reach {SENDER}: "
-                                     f"{_brief(exc)}") from exc
-        self.last_ack = self._tell(_ACK, bytes(data))
+        self.acks.put(data)
+
+    def _push_ack(self, data: bytes) -> None:
+        """Send one ack and wait for it to land (``rpc_timeout`` at most); TransportError if it did not."""
+        self._tell(_ACK, data, wait=True)
 
     def stop(self) -> None:
         agent, self.agent = self.agent, None
         self.asker = None
         if agent is None:
             return
+        self.acks.close(self.timeout + 5, deliver=agent.started)  # the acks land before the goodbye
         if agent.started:
-            if self.last_ack is not None:  # the last ack lands before the goodbye, for the same reason
-                try:
-                    self.last_ack.wait()
-                except RuntimeError as exc:
-                    log.debug("rpc: the last ack was not delivered: %s", _brief(exc))
             try:
                 self._tell(_LEAVE, b"", wait=True)
             except TransportError as exc:
