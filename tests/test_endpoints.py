@@ -378,7 +378,8 @@ def _ack_threads() -> list[threading.Thread]:
 def test_acks_are_pushed_in_order_from_a_thread_and_put_never_waits(caplog: pytest.LogCaptureFixture) -> None:
     """A push that blocks (an RPC waiting for its reply, a store client on a cut link) holds no
     ``put``; the acks land in the order given once it returns; close lets the pending ones go
-    first; a push that fails drops that ack, with a warning naming it, and the next ones go."""
+    first; a push that fails (or raises anything else: a plugin's bug) drops that ack, with a warning
+    naming it, and the next ones go."""
     pushed: list[bytes] = []
     gate = threading.Event()
 
@@ -387,6 +388,8 @@ def test_acks_are_pushed_in_order_from_a_thread_and_put_never_waits(caplog: pyte
             gate.wait(30)
         if data == b"3":
             raise TransportError("link cut")
+        if data == b"4":
+            raise ValueError("a bug")
         pushed.append(data)
 
     acks = AckPusher(push, "test worker 0")
@@ -397,8 +400,9 @@ def test_acks_are_pushed_in_order_from_a_thread_and_put_never_waits(caplog: pyte
     assert time.monotonic() - t0 < 5 and pushed == []  # the first push is blocked: no put waited for it
     gate.set()
     acks.close(30)
-    assert pushed == [b"1", b"2", b"4", b"5"] and _ack_threads() == []
+    assert pushed == [b"1", b"2", b"5"] and _ack_threads() == []
     assert "test worker 0: an ack did not reach the sender and was dropped: link cut" in caplog.text
+    assert "test worker 0: pushing an ack raised ValueError, and it was dropped: a bug" in caplog.text
 
 
 def test_close_drops_the_pending_acks_when_told_and_never_waits_past_its_timeout() -> None:

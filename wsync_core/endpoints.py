@@ -424,7 +424,8 @@ class AckPusher:
     version past its timeout, then raise though the version was applied. ``push(data)`` sends one
     ack and returns once it landed; it raises TransportError if it cannot, and that ack is then
     dropped with a warning, as a stream transport drops one while disconnected (the sender names
-    the worker when its send's timeout ends; the worker acks the next version it applies). The
+    the worker when its send's timeout ends; the worker acks the next version it applies); so is
+    one whose push raised anything else, and the next acks still go. The
     thread starts at the first ``put``; at most 64 acks wait (the oldest go first).
     """
 
@@ -477,3 +478,5 @@ class AckPusher:
                 self.push(data)
             except TransportError as exc:
                 log.warning("%s: an ack did not reach the sender and was dropped: %s", self.what, exc)
+            except Exception as exc:  # (the plugin's contract says TransportError: the next acks still go)
+                log.warning("%s: pushing an ack raised %s, and it was dropped: %s", self.what, type(exc).__name__, exc)
