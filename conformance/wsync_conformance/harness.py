@@ -257,13 +257,14 @@ class _Endpoint:
         from wsync_core.protocol import Ack, Header
 
         from .models import payload_digest
-        from .resources import demand_s
+        from .resources import busiest_threads, demand_by_thread, demand_s
 
-        t0, c0 = time.monotonic(), demand_s()
+        t0, c0, threads0 = time.monotonic(), demand_s(), demand_by_thread()
         d = self.endpoint.recv(Deadline(timeout))
         took = time.monotonic() - t0
         if d is None:
-            return {"delivery": None, "took": took, "cpu": demand_s() - c0}
+            return {"delivery": None, "took": took, "cpu": demand_s() - c0,
+                    "busiest": busiest_threads(threads0, demand_by_thread())}
         out = {"delivery": {"header": base64.b64encode(bytes(d.header)).decode(), "size": int(d.payload.numel()),
                             "dtype": str(d.payload.dtype), "adoptable": bool(d.adoptable),
                             "digest": payload_digest(d.payload), "expected_size": self.nbytes}, "took": took}

@@ -20,15 +20,30 @@ def demand_s() -> float:
     what a busy loop takes is the same however loaded the machine is, where CPU time alone shrinks
     with a busy loop's share of the cores. ``time.process_time()`` where the kernel keeps no such
     figures."""
-    total, found = 0, False
+    by_thread = demand_by_thread()
+    return sum(by_thread.values()) if by_thread else time.process_time()
+
+
+def demand_by_thread() -> dict[int, float]:
+    """``demand_s`` of each of this process's threads, by native thread id; {} where the kernel
+    keeps no such figures."""
+    out: dict[int, float] = {}
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 on_cpu, waiting = f.read().split()[:2]
         except (OSError, ValueError):  # a thread that ended meanwhile
             continue
-        total, found = total + int(on_cpu) + int(waiting), True
-    return total / 1e9 if found else time.process_time()
+        out[int(tid)] = (int(on_cpu) + int(waiting)) / 1e9
+    return out
+
+
+def busiest_threads(before: dict[int, float], after: dict[int, float], n: int = 3) -> str:
+    """The ``n`` threads that ran or waited to run most between two ``demand_by_thread`` readings,
+    with their Python names where they have one: ``"MainThread 0.98 s, wsync-probe (...) 0.01 s"``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    spent = sorted(((after[t] - before.get(t, 0.0), t) for t in after), reverse=True)[:n]
+    return ", ".join(f"{names.get(t, f'thread {t}')} {s:.2f} s" for s, t in spent) or "no figures"
 
 
 def _fds() -> dict[str, str]:

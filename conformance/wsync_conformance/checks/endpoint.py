@@ -39,7 +39,7 @@ from wsync_core.transport import Acked, Event, Joined, Left, SenderContext, Send
 from wsync_core.weights import flatten
 
 from .. import harness
-from ..resources import demand_s
+from ..resources import busiest_threads, demand_by_thread, demand_s
 from ..context import Context
 from ..guarantees import GuaranteeViolation, capability, guarantee, violated
 from ..models import ModelSpec, TensorSpec, build, version_spec
@@ -60,11 +60,13 @@ def _sha(t: torch.Tensor) -> str:
 
 #: how soon a poll must return once wake() was called (seconds)
 _WOKEN_S = 5.0
-#: how long test_endpoint_waits_sleep waits, and the CPU seconds that wait may use (a spinning one
-#: uses most of it)
 #: a wait of this many seconds with nothing to come may run (or wait to run: ``resources.demand_s``)
 #: this long; a spinning one asks for the whole wait, however loaded the machine
 _SPIN_WAIT_S, _SPIN_CPU_S = 1.0, 0.15
+#: waits test_endpoint_waits_sleep measures at most of each kind: it fails only if every one asked
+#: for more than ``_SPIN_CPU_S`` (a spinning wait does each time; another thread of a loaded
+#: process, once)
+_SPIN_TRIES = 2
 
 
 class Endpoints:
@@ -773,25 +775,35 @@ class EndpointChecks:
         (called again whenever one returns early, as the core's waits do) the sender's process
         runs, or waits to run, at most ``_SPIN_CPU_S`` (``resources.demand_s``: a busy loop asks
         for the whole second however loaded the cores), and so does the receiver's over a recv()
-        of a second. On shared cores a spinning wait takes the time workers and the trainer need."""
+        of a second. On shared cores a spinning wait takes the time workers and the trainer need.
+        A second is measured again once if it asked for more (another thread of the process, not
+        the wait's, may have been busy, on a loaded machine): it fails if both did, naming the
+        threads that ran."""
         e = Endpoints(wsync, 1)
         e.connect()
         e.events.clear()
-        deadline = Deadline(_SPIN_WAIT_S)
-        c0 = demand_s()
-        while not deadline.expired():
-            e.sender.poll(Deadline(deadline.remaining()))
-        cpu = demand_s() - c0
-        if cpu > _SPIN_CPU_S:
+        for _ in range(_SPIN_TRIES):
+            deadline = Deadline(_SPIN_WAIT_S)
+            c0, threads0 = demand_s(), demand_by_thread()
+            while not deadline.expired():
+                e.sender.poll(Deadline(deadline.remaining()))
+            cpu = demand_s() - c0
+            if cpu <= _SPIN_CPU_S:
+                break
+        else:
             raise violated("live", f"{_SPIN_WAIT_S:g} s of SenderEndpoint.poll() with nothing to come ran or waited to "
-                                   f"run {cpu:.2f} s "
-                                   f"(at most {_SPIN_CPU_S:g} allowed): poll must sleep until an event or its "
-                                   f"deadline, not spin or return early")
-        reply = e.workers[0].request("ep_recv", 30.0, timeout=_SPIN_WAIT_S, keep=False).raise_for_error("recv()")
-        if reply["delivery"] is None and reply.get("cpu", 0.0) > _SPIN_CPU_S:
+                                   f"run {cpu:.2f} s (at most {_SPIN_CPU_S:g} allowed; measured {_SPIN_TRIES} times; "
+                                   f"the threads that ran most: {busiest_threads(threads0, demand_by_thread())}): "
+                                   f"poll must sleep until an event or its deadline, not spin or return early")
+        for _ in range(_SPIN_TRIES):
+            reply = e.workers[0].request("ep_recv", 30.0, timeout=_SPIN_WAIT_S, keep=False).raise_for_error("recv()")
+            if reply["delivery"] is not None or reply.get("cpu", 0.0) <= _SPIN_CPU_S:
+                break
+        else:
             raise violated("live", f"a ReceiverEndpoint.recv() of {_SPIN_WAIT_S:g} s with nothing to come ran or waited "
                                    f"to run {reply['cpu']:.2f} s in the receiver's process (at most {_SPIN_CPU_S:g} "
-                                   f"allowed): recv must sleep until a delivery or its deadline, not spin")
+                                   f"allowed; measured {_SPIN_TRIES} times; the threads that ran most: "
+                                   f"{reply.get('busiest')}): recv must sleep until a delivery or its deadline, not spin")
 
     @guarantee("live")
     def test_endpoint_wake_ends_a_waiting_poll(self, wsync: Context) -> None:
